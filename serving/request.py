@@ -1,0 +1,144 @@
+"""A request as the engine sees it, and the handle its caller reads the output from.
+
+The engine's step thread pushes chunks; the caller reads them either from asyncio (the HTTP routes) or
+from a plain thread (benchmarks, the tuner). Cancelling marks the request; the scheduler frees its slot at
+the next step, so a dropped client never holds a slot longer than one decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from serving.sampling import SamplingParams
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+@dataclass
+class Usage:
+    """Token counts and timings of one finished request (OpenAI usage plus what llama-server reports)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float | None = None
+    decode_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Decode speed after the first token, the way llama-server's timings.predicted_per_second counts."""
+        if self.completion_tokens < 2 or self.decode_s <= 0:
+            return None
+        return (self.completion_tokens - 1) / self.decode_s
+
+
+@dataclass
+class GenerationChunk:
+    """New output of one request. `finish_reason` is set on the last chunk, and `usage` with it."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    def merge(self, later: GenerationChunk) -> GenerationChunk:
+        """Join a later chunk onto this one (used to send everything available in one SSE event)."""
+        return GenerationChunk(
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            finish_reason=later.finish_reason,
+            usage=later.usage or self.usage,
+            error=later.error or self.error,
+        )
+
+
+@dataclass
+class Request:
+    """One generation request: prompt tokens, sampling parameters, and its lifecycle flags."""
+
+    id: int
+    prompt_tokens: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+
+class RequestHandle:
+    """The caller's side of a request: iterate it (sync or async) for GenerationChunks; cancel() to drop it.
+
+    Async iteration yields every chunk available at the moment as one merged chunk, so a reader slower than
+    the decoder (a busy HTTP stack) sends fewer, fuller SSE events instead of falling behind.
+    """
+
+    def __init__(self, request: Request, wake_engine: threading.Event) -> None:
+        self.request = request
+        self._chunks: queue.SimpleQueue[GenerationChunk] = queue.SimpleQueue()
+        self._wake_engine = wake_engine
+        self._done = False
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            self._ready: asyncio.Event | None = asyncio.Event()
+        except RuntimeError:
+            self._loop, self._ready = None, None
+
+    # -- engine side ---------------------------------------------------------------------------------
+    def push(self, chunk: GenerationChunk) -> None:
+        """Called from the engine thread."""
+        self._chunks.put(chunk)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    # -- caller side ---------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; its slot is freed at the next step."""
+        self.request.cancelled = True
+        self._wake_engine.set()
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __iter__(self) -> RequestHandle:
+        return self
+
+    def __next__(self) -> GenerationChunk:
+        if self._done:
+            raise StopIteration
+        chunk = self._chunks.get()
+        self._done = chunk.finish_reason is not None
+        return chunk
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._done:
+            raise StopAsyncIteration
+        if self._ready is None:
+            raise RuntimeError("this handle was created outside an event loop; iterate it synchronously")
+        while True:
+            merged = self._drain()
+            if merged is not None:
+                self._done = merged.finish_reason is not None
+                return merged
+            await self._ready.wait()
+            self._ready.clear()
+
+    def _drain(self) -> GenerationChunk | None:
+        merged = None
+        while True:
+            try:
+                chunk = self._chunks.get_nowait()
+            except queue.Empty:
+                return merged
+            merged = chunk if merged is None else merged.merge(chunk)
+            if chunk.finish_reason is not None:
+                return merged

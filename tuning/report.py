@@ -1,0 +1,167 @@
+"""From the Optuna study to a decision: the trial table, the Pareto front, the pick, a markdown report, a plot.
+
+Everything is read back from the study's storage, so a resumed study reports all of its trials, and the
+report can be regenerated at any time from the SQLite file alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PICK_WITHIN = 0.05  # the balanced pick: best aggregate among trials within 5% of the best single stream
+PARAM_KEYS = ("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn", "n_gpu_layers")
+
+
+@dataclass
+class TrialRow:
+    """One trial as the report shows it."""
+
+    number: int
+    params: dict[str, Any]
+    attrs: dict[str, Any]
+    is_baseline: bool
+
+    @property
+    def single(self) -> float:
+        return float(self.attrs.get("single_tok_s", 0.0))
+
+    @property
+    def aggregate(self) -> float:
+        return float(self.attrs.get("aggregate_tok_s", 0.0))
+
+    @property
+    def feasible(self) -> bool:
+        return bool(self.attrs.get("feasible", False))
+
+    def label(self) -> str:
+        p = self.params
+        label = (f"np{p.get('n_parallel')} b{p.get('n_batch')}/{p.get('n_ubatch')} c{p.get('ctx_per_slot')}/slot "
+                 f"{p.get('type_k')}/{p.get('type_v')} fa-{p.get('flash_attn')}")
+        return label + (f" ngl{p['n_gpu_layers']}" if "n_gpu_layers" in p else "")
+
+
+def rows_from_study(study: Any) -> list[TrialRow]:
+    """Finished trials of an optuna.Study, with the metrics the trials recorded as user attributes."""
+    rows = []
+    for trial in study.trials:
+        if trial.state.name != "COMPLETE":
+            continue
+        attrs = dict(trial.user_attrs)
+        rows.append(TrialRow(trial.number, dict(attrs.get("params", trial.params)), attrs,
+                             bool(attrs.get("is_baseline", False))))
+    return rows
+
+
+def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
+    """Feasible trials no other feasible trial beats on both single-stream and aggregate tok/s."""
+    feasible = [r for r in rows if r.feasible]
+    front = [r for r in feasible
+             if not any(o.single >= r.single and o.aggregate >= r.aggregate
+                        and (o.single > r.single or o.aggregate > r.aggregate) for o in feasible)]
+    return sorted(front, key=lambda r: r.single, reverse=True)
+
+
+def pick(rows: list[TrialRow], prefer: str) -> TrialRow | None:
+    """The winner among feasible trials. balanced (default): best aggregate within 5% of the best single
+    stream; single: best single stream; aggregate: best aggregate. Ties go to the other objective."""
+    front = pareto_front(rows)
+    if not front:
+        return None
+    if prefer == "single":
+        return max(front, key=lambda r: (r.single, r.aggregate))
+    if prefer == "aggregate":
+        return max(front, key=lambda r: (r.aggregate, r.single))
+    best_single = max(r.single for r in front)
+    near = [r for r in front if r.single >= (1 - PICK_WITHIN) * best_single]
+    return max(near, key=lambda r: (r.aggregate, r.single))
+
+
+def _gib(value: Any) -> str:
+    return f"{value / 2**30:.2f}" if isinstance(value, (int, float)) and value < 1e17 else "-"
+
+
+def _num(value: Any, fmt: str = ".1f") -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+
+def _flags(row: TrialRow) -> str:
+    a = row.attrs
+    flags = [a[k] for k in ("rejected", "error") if a.get(k)]
+    if a.get("throttled"):
+        flags.append(f"throttled ({a.get('throttle_reasons')})")
+    if a.get("shared"):
+        flags.append("GPU shared")
+    if row.is_baseline:
+        flags.append("baseline")
+    return "; ".join(flags)
+
+
+def trial_table(rows: list[TrialRow]) -> str:
+    head = ("| # | config | single tok/s | 4-way tok/s | TTFT ms | prefill tok/s | NLL delta | mem pred GiB "
+            "| mem meas GiB | feasible | notes |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        a = r.attrs
+        lines.append(
+            f"| {r.number} | {r.label()} | {_num(r.single)} | {_num(r.aggregate)} | {_num(a.get('ttft_ms'))} "
+            f"| {_num(a.get('prefill_tok_s'), '.0f')} | {_num(a.get('nll_delta'), '+.4f')} "
+            f"| {_gib(a.get('mem_predicted'))} | {_gib(a.get('mem_measured'))} | {'yes' if r.feasible else 'no'} "
+            f"| {_flags(r)} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[TrialRow], winner: TrialRow | None, path: Path) -> None:
+    """Single-stream vs 4-way aggregate: feasible, infeasible, Pareto front, baseline, winner."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    ran = [r for r in rows if r.single > 0]
+    for feasible, style in ((False, dict(c="lightgray", label="infeasible")), (True, dict(c="tab:blue", label="feasible"))):
+        pts = [r for r in ran if r.feasible == feasible]
+        ax.scatter([r.single for r in pts], [r.aggregate for r in pts], s=25, **style)
+    front = pareto_front(rows)
+    ax.plot([r.single for r in front], [r.aggregate for r in front], "-o", c="tab:orange", label="Pareto front")
+    for r in rows:
+        if r.is_baseline and r.single > 0:
+            ax.scatter([r.single], [r.aggregate], marker="s", s=90, c="tab:red", label="article baseline")
+    if winner is not None:
+        ax.scatter([winner.single], [winner.aggregate], marker="*", s=250, c="gold", edgecolors="k", label="pick")
+    ax.set_xlabel("single-stream decode tok/s")
+    ax.set_ylabel("4-way aggregate tok/s")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def gain(winner: TrialRow, baseline: TrialRow | None) -> str:
+    if baseline is None or baseline.single <= 0 or baseline.aggregate <= 0:
+        return "the baseline did not run (rejected, failed or infeasible), so there is no ratio to report"
+    return (f"single stream {winner.single / baseline.single:.2f}x, 4-way aggregate "
+            f"{winner.aggregate / baseline.aggregate:.2f}x the article baseline")
+
+
+def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context: dict[str, Any],
+             plot_name: str) -> str:
+    baseline = next((r for r in rows if r.is_baseline), None)
+    front = pareto_front(rows)
+    out = ["# Tuning report", ""]
+    out += [f"- {k}: {v}" for k, v in context.items()]
+    out += ["", f"![Pareto front]({plot_name})", "", "## Winner", ""]
+    if winner is None:
+        out.append("No feasible trial: widen the space or the budget.")
+    else:
+        out += [f"Trial {winner.number} ({prefer} pick): `{winner.label()}`: {_num(winner.single)} tok/s single, "
+                f"{_num(winner.aggregate)} tok/s 4-way; {gain(winner, baseline)}."]
+    out += ["", "## Pareto front", "", trial_table(front), "", "## All trials", "", trial_table(rows), "",
+            "Quality: NLL delta is the mean negative log-likelihood (nats/token) of tuning/data/quality.txt "
+            "under the trial's config minus the same with an f16 K/V cache; trials above "
+            "--max-quality-loss are infeasible. Memory: predicted from the GGUF header before loading; "
+            "measured with NVML (the process's GPU memory) or as resident-memory growth on CPU."]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,89 @@
+"""The search space (overridable from YAML) and its validity rules, as an Optuna define-by-run function.
+
+Every point it proposes is a valid EngineConfig: n_ubatch is clamped to n_batch, a quantised V cache forces
+flash attention on, context is searched per slot and never below `min_ctx_per_slot` (the tuner must not
+win by starving context), and n_gpu_layers is searched only when the weights alone exceed the budget.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from serving.config import CacheType, EngineConfig, FlashAttn
+
+DEFAULT_SPACE_FILE = Path(__file__).resolve().parent.parent / "configs" / "search_space.yaml"
+
+
+class SearchSpace(BaseModel):
+    """Candidate values per setting; configs/search_space.yaml holds the defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_parallel: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
+    n_batch: list[int] = Field(default_factory=lambda: [128, 256, 512, 1024, 2048])
+    n_ubatch: list[int] = Field(default_factory=lambda: [128, 256, 512, 1024, 2048])
+    ctx_per_slot: list[int] = Field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    type_k: list[CacheType] = Field(default_factory=lambda: [CacheType.f16, CacheType.q8_0, CacheType.q4_0])
+    type_v: list[CacheType] = Field(default_factory=lambda: [CacheType.f16, CacheType.q8_0, CacheType.q4_0])
+    flash_attn: list[FlashAttn] = Field(default_factory=lambda: [FlashAttn.on, FlashAttn.off])
+
+    @field_validator("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot")
+    @classmethod
+    def _positive(cls, values: list[int]) -> list[int]:
+        if not values or any(v < 1 for v in values):
+            raise ValueError("needs at least one value, all positive")
+        return sorted(set(values))
+
+    @field_validator("flash_attn", mode="before")
+    @classmethod
+    def _yaml_bools(cls, values: list[Any]) -> list[Any]:
+        return [("on" if v else "off") if isinstance(v, bool) else v for v in values]
+
+    @classmethod
+    def from_yaml(cls, path: Path | None) -> SearchSpace:
+        path = path or DEFAULT_SPACE_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"search space file {path} not found")
+        return cls(**(yaml.safe_load(path.read_text()) or {}))
+
+    def contexts(self, min_ctx_per_slot: int) -> list[int]:
+        """Per-slot contexts allowed: at least `min_ctx_per_slot`."""
+        allowed = [c for c in self.ctx_per_slot if c >= min_ctx_per_slot]
+        if not allowed:
+            raise ValueError(
+                f"no ctx_per_slot value in the search space is >= --min-ctx-per-slot {min_ctx_per_slot} "
+                f"(space has {self.ctx_per_slot}): add larger values or lower --min-ctx-per-slot"
+            )
+        return allowed
+
+
+def suggest(trial: Any, space: SearchSpace, contexts: list[int], n_layer_choices: int | None) -> dict[str, Any]:
+    """Define-by-run: draw one config's settings from `trial` (an optuna.Trial). Names match EngineConfig,
+    except ctx_per_slot, which `to_engine_config` turns into n_ctx."""
+    params: dict[str, Any] = {
+        "n_parallel": trial.suggest_categorical("n_parallel", space.n_parallel),
+        "n_batch": trial.suggest_categorical("n_batch", space.n_batch),
+        "n_ubatch": trial.suggest_categorical("n_ubatch", space.n_ubatch),
+        "ctx_per_slot": trial.suggest_categorical("ctx_per_slot", contexts),
+        "type_k": trial.suggest_categorical("type_k", [t.value for t in space.type_k]),
+        "type_v": trial.suggest_categorical("type_v", [t.value for t in space.type_v]),
+    }
+    if CacheType(params["type_v"]).is_quantized:
+        params["flash_attn"] = FlashAttn.on.value  # llama.cpp needs it for a quantised V cache
+    else:
+        params["flash_attn"] = trial.suggest_categorical("flash_attn", [f.value for f in space.flash_attn])
+    if n_layer_choices is not None:
+        params["n_gpu_layers"] = trial.suggest_int("n_gpu_layers", 0, n_layer_choices)
+    return params
+
+
+def to_engine_config(params: dict[str, Any], base: EngineConfig) -> EngineConfig:
+    """Trial settings on top of the base config (model, threads, ...); n_ubatch clamped to n_batch."""
+    fields = {k: v for k, v in params.items() if k != "ctx_per_slot"}
+    fields["n_ubatch"] = min(fields["n_ubatch"], fields["n_batch"])
+    fields["n_ctx"] = params["ctx_per_slot"] * params["n_parallel"]
+    return EngineConfig(**{**base.model_dump(exclude_none=True), **fields})

@@ -1,0 +1,121 @@
+"""One Ray Tune trial: build (or rebuild) serving's Engine with the proposed config and measure it.
+
+The Trainable is reused across trials (TuneConfig(reuse_actors=True)): `reset_config` keeps the engine and
+its loaded weights, and the next `step` only rebuilds the llama.cpp context. A config whose predicted
+memory is over budget is answered at once, without touching the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from serving import llama as _llama  # noqa: F401  (load order: libllama before numpy)
+
+from ray import tune
+
+from serving.config import CacheType, EngineConfig
+from serving.engine import Engine, EngineError
+from tuning.device import DeviceProbe
+from tuning.memory import ModelShape, predict
+from tuning.objective import Runner, Workload, quality_tokens
+from tuning.space import to_engine_config
+
+QUALITY_PROBE_CTX = 1024
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """What every trial shares: the base config (model, threads), budget, workload, quality margin."""
+
+    base: EngineConfig
+    shape: ModelShape
+    budget_bytes: int
+    on_gpu: bool
+    workload: Workload
+    max_quality_loss: float
+
+
+class EngineTrial(tune.Trainable):
+    """Ray Tune trainable measuring one engine config per `step` (a trial is one step)."""
+
+    def setup(self, config: dict[str, Any], settings: TrialSettings) -> None:
+        self.settings = settings
+        self.engine: Engine | None = None
+        self.runner = Runner(settings.workload)
+        self.probe = DeviceProbe(settings.on_gpu)
+        self.baseline_nll: float | None = None
+        self.actor = f"{socket.gethostname()}:{os.getpid()}"
+
+    def reset_config(self, new_config: dict[str, Any]) -> bool:
+        self.config = new_config  # the engine stays: the next step rebuilds only what changed
+        return True
+
+    def step(self) -> dict[str, Any]:
+        s = self.settings
+        config = to_engine_config(self.config, s.base)
+        predicted = predict(s.shape, config, s.on_gpu)
+        result: dict[str, Any] = {
+            "done": True, "actor": self.actor, "n_ctx": config.n_ctx, "n_ubatch_used": config.n_ubatch,
+            "mem_predicted": predicted.total, "mem_budget": s.budget_bytes, "single_tok_s": 0.0,
+            "aggregate_tok_s": 0.0, "rejected": "", "error": "",
+        }
+        if predicted.total > s.budget_bytes:
+            result["rejected"] = "predicted memory over budget"
+            return {**result, **self._constraints(predicted.total, None)}
+        try:
+            result.update(self._measure(config))
+        except (EngineError, RuntimeError) as exc:
+            result["error"] = str(exc)
+            return {**result, **self._constraints(None, None)}
+        return {**result, **self._constraints(result["mem_measured"], result["nll_delta"])}
+
+    def _measure(self, config: EngineConfig) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self._use(config)
+        rebuild_s = time.perf_counter() - t0
+        mem_measured = self.probe.memory_in_use()
+        speed = self.runner.measure(self.engine)
+        nll = self.engine.score(quality_tokens(self.engine))
+        baseline = self._baseline_nll(config)
+        return {
+            "single_tok_s": speed.single_tok_s, "aggregate_tok_s": speed.aggregate_tok_s,
+            "ttft_ms": speed.ttft_ms, "prefill_tok_s": speed.prefill_tok_s,
+            "nll": nll, "nll_baseline": baseline, "nll_delta": nll - baseline,
+            "mem_measured": mem_measured, "setup_s": rebuild_s,
+            "weight_loads": self.engine.weight_loads, "weight_load_s": self.engine.weight_load_s,
+            **self.probe.state(),
+        }
+
+    def _use(self, config: EngineConfig) -> None:
+        if self.engine is None:
+            self.probe.mark_baseline()
+            self.engine = Engine(config)
+        else:
+            self.engine.reconfigure(config)
+
+    def _baseline_nll(self, config: EngineConfig) -> float:
+        """NLL of the quality text with an f16 K/V cache (once per actor), the reference for the guard."""
+        if self.baseline_nll is None:
+            reference = config.model_copy(update={
+                "type_k": CacheType.f16, "type_v": CacheType.f16, "n_parallel": 1, "n_ctx": QUALITY_PROBE_CTX,
+            })
+            self.engine.reconfigure(reference)
+            self.baseline_nll = self.engine.score(quality_tokens(self.engine))
+            self.engine.reconfigure(config)
+        return self.baseline_nll
+
+    def _constraints(self, mem: int | None, nll_delta: float | None) -> dict[str, float]:
+        """Optuna constraint values: feasible when <= 0. A trial that could not run violates both."""
+        s = self.settings
+        mem_c = float(mem - s.budget_bytes) if mem is not None else 1e18
+        quality_c = float(nll_delta - s.max_quality_loss) if nll_delta is not None else 1e9
+        return {"constraint_mem": mem_c, "constraint_quality": quality_c,
+                "feasible": mem_c <= 0 and quality_c <= 0}
+
+    def cleanup(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,93 @@
+"""Write-back: the winning config to configs/tuned.yaml (atomically), and to a running Serve app (live).
+
+The file is what `serve run serving.app:main` loads next time. The live path publishes the config on the
+app's ConfigChannel (serving/control.py) and waits until every LlamaServer replica has drained, rebuilt its
+context and acknowledged; requests arriving meanwhile wait in the engine's queue and none fails.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from serving.config import EngineConfig
+
+
+def write_config(path: Path, config: EngineConfig, header: str = "") -> None:
+    """Write `config` as an `engine:` YAML file; readers see the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# Written by python -m tuning.search on {stamp}."] + [f"# {line}" for line in header.splitlines()]
+    text = "\n".join(lines) + "\n" + yaml.safe_dump({"engine": config.to_yaml_dict()}, sort_keys=False)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class ApplyResult:
+    """What happened when applying to a live app."""
+
+    applied: bool
+    message: str
+    replicas: dict[str, Any] | None = None
+
+
+def apply_to_serve(config: EngineConfig, app_name: str = "llama", address: str | None = "auto",
+                   timeout_s: float = 600.0) -> ApplyResult:
+    """Publish `config` to the running app `app_name` and wait for all its replicas to switch.
+
+    Connects to the Ray cluster at `address` unless this process is already connected. Returns
+    applied=False with the reason when no such app is running (then only the file was written).
+    """
+    import ray
+    from ray import serve
+
+    from serving.app import DEPLOYMENT_NAME
+    from serving.control import CHANNEL_NAME
+
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        except (ConnectionError, RuntimeError) as exc:
+            return ApplyResult(False, f"no running Ray cluster at {address!r} ({exc}); only the file was written")
+    status = serve.status().applications.get(app_name)
+    if status is None or DEPLOYMENT_NAME not in status.deployments:
+        return ApplyResult(False, f"no Serve app {app_name!r} with a {DEPLOYMENT_NAME} deployment is running; "
+                                  "only the file was written")
+    channel = serve.get_deployment_handle(CHANNEL_NAME, app_name=app_name)
+    published = channel.publish.remote(config.to_yaml_dict()).result()
+    return _wait_for_acks(channel, published, app_name, DEPLOYMENT_NAME, timeout_s)
+
+
+def _wait_for_acks(channel: Any, published: dict[str, Any], app_name: str, deployment: str,
+                   timeout_s: float) -> ApplyResult:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        running = serve.status().applications[app_name].deployments[deployment].replica_states.get("RUNNING", 0)
+        acks = channel.acks.remote().result()
+        done = {r: a for r, a in acks.items()
+                if a["epoch"] == published["epoch"] and a["version"] == published["version"]}
+        errors = {r: a["error"] for r, a in done.items() if a["error"]}
+        if errors:
+            return ApplyResult(False, f"replicas rejected the config: {errors}", done)
+        if running and len(done) >= running:
+            return ApplyResult(True, f"applied to {len(done)} replica(s) of app {app_name!r}", done)
+        time.sleep(0.5)
+    return ApplyResult(False, f"timed out after {timeout_s:.0f}s waiting for replicas to switch")
