@@ -6,7 +6,6 @@ tuner's write-back, or `serve deploy` with a new file) reaches every replica thr
 which rebuilds the llama.cpp context in place: no replica restart, no weight reload, no failed request.
 """
 
-from __future__ import annotations
 
 import asyncio
 import json

@@ -35,20 +35,19 @@ class ReplicaMetrics:
         self.queue_depth = metrics.Gauge(
             "llm_queue_depth", description="Requests waiting for a slot.", tag_keys=tags)
         self.slots_busy = metrics.Gauge("llm_slots_busy", description="Slots in use.", tag_keys=tags)
-        for metric in (self.prompt_tokens, self.cached_prompt_tokens, self.generated_tokens, self.ttft,
-                       self.queue_depth, self.slots_busy):
-            metric.set_default_tags(self._tags)
 
     def record_request(self, usage: Usage, reason: str) -> None:
-        self.prompt_tokens.inc(usage.prompt_tokens)
+        tags = self._tags
+        if usage.prompt_tokens:
+            self.prompt_tokens.inc(usage.prompt_tokens, tags=tags)
         if usage.cached_tokens:
-            self.cached_prompt_tokens.inc(usage.cached_tokens)
+            self.cached_prompt_tokens.inc(usage.cached_tokens, tags=tags)
         if usage.completion_tokens:
-            self.generated_tokens.inc(usage.completion_tokens)
+            self.generated_tokens.inc(usage.completion_tokens, tags=tags)
         if usage.ttft_s is not None:
-            self.ttft.observe(usage.ttft_s)
+            self.ttft.observe(usage.ttft_s, tags=tags)
         self.requests.inc(1, tags={**self._tags, "reason": reason})
 
     def record_snapshot(self, stats: dict[str, Any]) -> None:
-        self.queue_depth.set(stats["queue_depth"])
-        self.slots_busy.set(stats["slots_busy"])
+        self.queue_depth.set(stats["queue_depth"], tags=self._tags)
+        self.slots_busy.set(stats["slots_busy"], tags=self._tags)

@@ -1,0 +1,134 @@
+"""The engine in-process: slot isolation, prefix reuse, cancellation, limits, reconfigure, scoring."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from serving.engine import Engine, PromptTooLongError
+from serving.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+PROMPTS = [
+    "The capital of France is",
+    "List three colours of the rainbow:",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "The quick brown fox",
+]
+
+
+def generate(engine: Engine, prompt: str, params: SamplingParams = GREEDY) -> tuple[str, list[int]]:
+    text, tokens = [], []
+    for chunk in engine.submit(engine.tokenize_prompt(prompt), params):
+        text.append(chunk.text)
+        tokens += chunk.token_ids
+    return "".join(text), tokens
+
+
+def test_concurrent_requests_match_each_request_alone(engine: Engine) -> None:
+    alone = [generate(engine, p) for p in PROMPTS]
+    handles = [engine.submit(engine.tokenize_prompt(p), GREEDY) for p in PROMPTS]  # 5 > 4 slots: one queues
+    together = []
+    for handle in handles:
+        chunks = list(handle)
+        together.append(("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]))
+    assert together == alone
+    assert all(len(tokens) == 24 for _, tokens in alone)
+
+
+def test_follow_up_turn_reuses_the_slot_prefix(engine: Engine) -> None:
+    first = "Tell me a short story about a lighthouse keeper who finds a message in a bottle."
+    answer, _ = generate(engine, first)
+    follow_up = first + answer + " What happened next?"
+    before = engine.stats()["counters"]["prompt_tokens_evaluated"]
+    text_reused, _ = generate(engine, follow_up)
+    evaluated = engine.stats()["counters"]["prompt_tokens_evaluated"] - before
+    n_prompt = len(engine.tokenize_prompt(follow_up))
+    assert evaluated < n_prompt / 2
+    # the same prompt on an engine with nothing cached gives the same answer
+    fresh = Engine(engine.config)
+    try:
+        text_fresh, _ = generate(fresh, follow_up)
+    finally:
+        fresh.close()
+    assert text_reused == text_fresh
+
+
+def test_cancel_frees_the_slot_at_the_next_step(engine: Engine) -> None:
+    handle = engine.submit(engine.tokenize_prompt("Count from one to one thousand:"),
+                           SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+    first = next(handle)
+    assert first.finish_reason is None
+    handle.cancel()
+    last = list(handle)[-1]
+    assert last.finish_reason == "cancelled"
+    assert engine.stats()["slots_busy"] == 0
+
+
+def test_max_tokens_and_stop_strings(engine: Engine) -> None:
+    text, tokens = generate(engine, "One, two, three, four,", SamplingParams(max_tokens=5, temperature=0.0))
+    assert len(tokens) == 5
+    full, _ = generate(engine, "One, two, three, four,", SamplingParams(max_tokens=20, temperature=0.0))
+    stop = full.strip().split()[2]
+    stopped, _ = generate(engine, "One, two, three, four,",
+                          SamplingParams(max_tokens=20, temperature=0.0, stop=(stop,)))
+    assert stop not in stopped and full.startswith(stopped)
+
+
+def test_seeded_sampling_repeats_and_differs_by_seed(engine: Engine) -> None:
+    def sample(seed: int) -> str:
+        return generate(engine, "Once upon a time",
+                        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=40, seed=seed))[0]
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_penalties_change_greedy_output(engine: Engine) -> None:
+    plain, _ = generate(engine, "la la la la la la", SamplingParams(max_tokens=16, temperature=0.0))
+    penalised, _ = generate(engine, "la la la la la la",
+                            SamplingParams(max_tokens=16, temperature=0.0, repeat_penalty=1.5,
+                                           frequency_penalty=1.0))
+    assert plain != penalised
+
+
+def test_prompt_longer_than_a_slot_is_refused(engine: Engine) -> None:
+    tokens = engine.tokenize_prompt("word " * 2000)
+    with pytest.raises(PromptTooLongError) as info:
+        engine.submit(tokens, GREEDY)
+    assert info.value.n_ctx_slot == engine.n_ctx_slot
+
+
+def test_generation_stops_at_the_slot_end(engine: Engine) -> None:
+    tokens = engine.tokenize_prompt("word " * 900)
+    chunks = list(engine.submit(tokens, SamplingParams(temperature=0.0, ignore_eos=True)))
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens == engine.n_ctx_slot
+
+
+def test_reconfigure_keeps_weights_and_waiting_requests(engine: Engine) -> None:
+    old = engine.config
+    loads = engine.weight_loads
+    new = old.model_copy(update={"n_parallel": 2, "n_ctx": 2048, "n_batch": 512})
+    results: list[str] = []
+    worker = threading.Thread(target=lambda: results.append(generate(engine, PROMPTS[0])[0]))
+    try:
+        running = engine.submit(engine.tokenize_prompt(PROMPTS[1]), GREEDY)
+        worker.start()
+        engine.reconfigure(new)
+        assert list(running)[-1].finish_reason == "length"  # the running request finished first
+        worker.join(60)
+        assert results and results[0] == generate(engine, PROMPTS[0])[0]
+        assert engine.config == new and engine.n_ctx_slot == 1024 and len(engine.stats()["slots"]) == 2
+        assert engine.weight_loads == loads
+    finally:
+        engine.reconfigure(old)
+
+
+def test_score_is_finite_and_quantised_cache_costs_little(engine: Engine) -> None:
+    tokens = engine.tokenize_prompt("The river begins as a thin line of water in the hills, where rain collects.")
+    nll = engine.score(tokens)
+    assert 0.5 < nll < 12.0
+    assert engine.score(tokens) == pytest.approx(nll, abs=1e-6)
