@@ -81,6 +81,16 @@ def suggest(trial: Any, space: SearchSpace, contexts: list[int], n_layer_choices
     return params
 
 
+class SpaceFunction:
+    """The define-by-run function handed to OptunaSearch (a class, so Ray Tune can pickle it)."""
+
+    def __init__(self, space: SearchSpace, contexts: list[int], n_layer_choices: int | None) -> None:
+        self.space, self.contexts, self.n_layer_choices = space, contexts, n_layer_choices
+
+    def __call__(self, trial: Any) -> dict[str, Any]:
+        return suggest(trial, self.space, self.contexts, self.n_layer_choices)
+
+
 def to_engine_config(params: dict[str, Any], base: EngineConfig) -> EngineConfig:
     """Trial settings on top of the base config (model, threads, ...); n_ubatch clamped to n_batch."""
     fields = {k: v for k, v in params.items() if k != "ctx_per_slot"}

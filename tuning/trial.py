@@ -59,7 +59,7 @@ class EngineTrial(tune.Trainable):
         config = to_engine_config(self.config, s.base)
         predicted = predict(s.shape, config, s.on_gpu)
         result: dict[str, Any] = {
-            "done": True, "actor": self.actor, "n_ctx": config.n_ctx, "n_ubatch_used": config.n_ubatch,
+            "done": True, "actor": self.actor, "params": dict(self.config), "n_ctx": config.n_ctx, "n_ubatch_used": config.n_ubatch,
             "mem_predicted": predicted.total, "mem_budget": s.budget_bytes, "single_tok_s": 0.0,
             "aggregate_tok_s": 0.0, "rejected": "", "error": "",
         }
@@ -115,6 +115,13 @@ class EngineTrial(tune.Trainable):
         quality_c = float(nll_delta - s.max_quality_loss) if nll_delta is not None else 1e9
         return {"constraint_mem": mem_c, "constraint_quality": quality_c,
                 "feasible": mem_c <= 0 and quality_c <= 0}
+
+    def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """A trial is one measurement: nothing to resume from (the study itself persists in Optuna)."""
+        return None
+
+    def load_checkpoint(self, checkpoint: Any) -> None:
+        return None
 
     def cleanup(self) -> None:
         if self.engine is not None:

@@ -47,9 +47,10 @@ class ApplyResult:
     replicas: dict[str, Any] | None = None
 
 
-def apply_to_serve(config: EngineConfig, app_name: str = "llama", address: str | None = "auto",
+def apply_to_serve(config: EngineConfig, app_name: str | None = None, address: str | None = "auto",
                    timeout_s: float = 600.0) -> ApplyResult:
-    """Publish `config` to the running app `app_name` and wait for all its replicas to switch.
+    """Publish `config` to the running app `app_name` (default: the one serving LlamaServer) and wait for
+    all its replicas to switch.
 
     Connects to the Ray cluster at `address` unless this process is already connected. Returns
     applied=False with the reason when no such app is running (then only the file was written).
@@ -65,10 +66,13 @@ def apply_to_serve(config: EngineConfig, app_name: str = "llama", address: str |
             ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         except (ConnectionError, RuntimeError) as exc:
             return ApplyResult(False, f"no running Ray cluster at {address!r} ({exc}); only the file was written")
-    status = serve.status().applications.get(app_name)
-    if status is None or DEPLOYMENT_NAME not in status.deployments:
-        return ApplyResult(False, f"no Serve app {app_name!r} with a {DEPLOYMENT_NAME} deployment is running; "
-                                  "only the file was written")
+    apps = {name: app for name, app in serve.status().applications.items() if DEPLOYMENT_NAME in app.deployments}
+    if app_name is None and len(apps) == 1:
+        app_name = next(iter(apps))
+    if app_name not in apps:
+        running = sorted(apps) or "none"
+        return ApplyResult(False, f"no Serve app {app_name or ''} with a {DEPLOYMENT_NAME} deployment to apply to "
+                                  f"(running: {running}); only the file was written")
     channel = serve.get_deployment_handle(CHANNEL_NAME, app_name=app_name)
     published = channel.publish.remote(config.to_yaml_dict()).result()
     return _wait_for_acks(channel, published, app_name, DEPLOYMENT_NAME, timeout_s)

@@ -1,0 +1,332 @@
+"""`python -m tuning.search --trials 40`: tune llama.cpp's settings with Ray Tune + Optuna, then apply the pick.
+
+The seed article's afternoon of hand-tuning as a study: Optuna proposes engine configs (multi-objective:
+single-stream and 4-way aggregate decode tok/s), each is checked against the memory budget from the GGUF
+header before anything loads, Ray Tune runs the survivors on one GPU each (weights stay loaded, only the
+context is rebuilt), and the pick is written to configs/tuned.yaml and pushed to a running Serve app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic progress table with our columns
+
+from serving import llama as _llama  # noqa: E402,F401  (load order: libllama before numpy)
+from serving.config import CacheType, EngineConfig, FlashAttn, load_engine_config  # noqa: E402
+from tuning.device import gpu_memory_total  # noqa: E402
+from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
+from tuning.objective import Workload  # noqa: E402
+from tuning.space import SearchSpace, SpaceFunction, to_engine_config  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ARTICLE_CONFIG = REPO_ROOT / "configs" / "article.yaml"
+GPU_MARGIN = 1 * GiB
+OBJECTIVES = ["single_tok_s", "aggregate_tok_s"]
+
+
+class UserError(Exception):
+    """Bad input the user can fix; printed without a traceback, exit code 2."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tuning.search", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=40, help="trials to run (default 40)")
+    p.add_argument("--model", help="GGUF file (default: `model:` of --base-config, else the embedded model)")
+    p.add_argument("--base-config", type=Path, default=REPO_ROOT / "configs" / "default.yaml",
+                   help="engine config the trials start from (model, threads)")
+    p.add_argument("--space", type=Path, help="search-space YAML (default configs/search_space.yaml)")
+    p.add_argument("--vram-budget", help="memory budget, e.g. 32GiB (default: the GPU's memory minus 1 GiB; "
+                   "on CPU: half of this machine's RAM, counted as resident memory)")
+    p.add_argument("--min-ctx-per-slot", type=int, help="least context per slot (default: min(2048, the "
+                   "model's training context))")
+    p.add_argument("--max-quality-loss", type=float, default=0.01,
+                   help="allowed rise of mean NLL over the f16-cache baseline, nats/token (default 0.01, ~1%% ppl)")
+    p.add_argument("--prefer", choices=["balanced", "single", "aggregate"], default="balanced",
+                   help="how to pick from the Pareto front (default balanced: best 4-way aggregate within 5%% "
+                        "of the best single stream)")
+    p.add_argument("--sampler", choices=["tpe", "nsga2", "random"], default="tpe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per measured request")
+    p.add_argument("--repeats", type=int, default=3, help="measured repeats per workload (median kept)")
+    p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
+    p.add_argument("--storage", help="Optuna storage URL (default sqlite:///results/optuna.db)")
+    p.add_argument("--study-name", help="default: <model>-<device>-<budget>; an existing study is resumed")
+    p.add_argument("--results-dir", type=Path, default=REPO_ROOT / "results")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "configs" / "tuned.yaml", help="where the pick goes")
+    p.add_argument("--no-apply", action="store_true", help="only write --out; do not touch a running Serve app")
+    p.add_argument("--app-name", help="Serve app to apply to (default: the one running LlamaServer)")
+    p.add_argument("--ray-address", help="Ray cluster to run trials on (default: start a local one)")
+    p.add_argument("--serve-address", default="auto", help="Ray cluster where the Serve app runs")
+    args = p.parse_args(argv)
+    if args.trials < 1:
+        p.error("--trials must be at least 1")
+    if args.repeats < 1 or args.gen_tokens < 2:
+        p.error("--repeats must be >= 1 and --gen-tokens >= 2")
+    return args
+
+
+def base_config(args: argparse.Namespace) -> EngineConfig:
+    overrides = {"model": args.model} if args.model else {}
+    try:
+        config = load_engine_config(args.base_config, overrides)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    if not config.model_path.is_file():
+        raise UserError(f"model file {config.model_path} does not exist: pass --model PATH to a GGUF file")
+    return config
+
+
+def start_ray(args: argparse.Namespace) -> tuple[int, int]:
+    """Connect to (or start) Ray; return (GPUs in the cluster, GPUs free now)."""
+    import ray
+
+    args.started_ray = not ray.is_initialized()
+    if args.started_ray:
+        ray.init(address=args.ray_address, logging_level="ERROR", include_dashboard=False)
+    total = int(ray.cluster_resources().get("GPU", 0))
+    free = int(ray.available_resources().get("GPU", 0))
+    return total, free
+
+
+def choose_device(args: argparse.Namespace, total: int, free: int) -> bool:
+    """True for GPU trials. A GPU cluster whose GPUs are all taken is an error, not a silent CPU run."""
+    if args.device == "cpu":
+        return False
+    if total == 0:
+        if args.device == "gpu":
+            raise UserError("--device gpu, but the Ray cluster has no GPU")
+        return False
+    if free == 0:
+        raise UserError(f"no free GPU: the cluster's {total} GPU(s) are all in use (a Serve app holding them?); "
+                        "stop it, or add GPUs, then retry")
+    return True
+
+
+def budget_bytes(args: argparse.Namespace, on_gpu: bool) -> int:
+    if args.vram_budget:
+        try:
+            return parse_bytes(args.vram_budget)
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+    if on_gpu:
+        total = gpu_memory_total()
+        if total is None:
+            raise UserError("cannot read the GPU's memory size (NVML): pass --vram-budget")
+        return total - GPU_MARGIN
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
+def layer_search(shape: ModelShape, base: EngineConfig, budget: int, on_gpu: bool,
+                 space: SearchSpace, ctx: int) -> int | None:
+    """None when all layers fit with the smallest config; else the layer count to search up to."""
+    smallest = cheapest_config(base, space, ctx)
+    if not on_gpu or predict(shape, smallest, on_gpu).total <= budget:
+        return None
+    return shape.n_layer
+
+
+def cheapest_config(base: EngineConfig, space: SearchSpace, ctx: int) -> EngineConfig:
+    order = [CacheType.q4_0, CacheType.q8_0, CacheType.f16]
+    kv = next((t for t in order if t in space.type_k and t in space.type_v), space.type_v[0])
+    params = {"n_parallel": min(space.n_parallel), "n_batch": min(space.n_batch), "n_ubatch": min(space.n_ubatch),
+              "ctx_per_slot": ctx, "type_k": kv.value, "type_v": kv.value,
+              "flash_attn": FlashAttn.on.value}
+    return to_engine_config(params, base)
+
+
+def check_possible(shape: ModelShape, base: EngineConfig, space: SearchSpace, ctx: int, budget: int,
+                   on_gpu: bool) -> None:
+    """Refuse a space none of whose configs can fit, before any trial runs."""
+    cheapest = cheapest_config(base, space, ctx)
+    need = predict(shape, cheapest.model_copy(update={"n_gpu_layers": 0}), on_gpu)
+    if need.total > budget:
+        raise UserError(
+            f"impossible space: even the smallest config ({ctx} tokens per slot, {cheapest.n_parallel} slot(s), "
+            f"{cheapest.type_k.value} cache) needs {need.total / GiB:.2f} GiB, over the budget of "
+            f"{budget / GiB:.2f} GiB: lower --min-ctx-per-slot, or raise --vram-budget")
+
+
+def article_point(base: EngineConfig, space: SearchSpace, contexts: list[int]) -> dict[str, Any] | None:
+    """The article's final config as a point of this space (the baseline, evaluated first)."""
+    article = load_engine_config(ARTICLE_CONFIG)
+    ctx = article.n_ctx // article.n_parallel
+    point = {"n_parallel": article.n_parallel, "n_batch": article.n_batch, "n_ubatch": article.n_ubatch,
+             "ctx_per_slot": ctx, "type_k": article.type_k.value, "type_v": article.type_v.value}
+    valid = (ctx in contexts and article.n_parallel in space.n_parallel and article.n_batch in space.n_batch
+             and article.n_ubatch in space.n_ubatch and article.type_k in space.type_k
+             and article.type_v in space.type_v)
+    return point if valid else None
+
+
+def trial_constraints(trial: Any) -> list[float]:
+    """Optuna constraints (feasible when all <= 0), read from what the trial recorded."""
+    return [trial.user_attrs.get("constraint_mem", 1e18), trial.user_attrs.get("constraint_quality", 1e9)]
+
+
+def make_sampler(name: str, seed: int) -> Any:
+    import optuna
+
+    if name == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed, constraints_func=trial_constraints)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed, constraints_func=trial_constraints, n_startup_trials=8)
+
+
+def make_searcher(args: argparse.Namespace, space: SearchSpace, contexts: list[int], n_layers: int | None,
+                  baseline: dict[str, Any] | None, storage: Any, study_name: str) -> Any:
+    from tuning.recording import RecordingOptunaSearch
+
+    return RecordingOptunaSearch(
+        space=SpaceFunction(space, contexts, n_layers),
+        metric=OBJECTIVES, mode=["max", "max"],
+        points_to_evaluate=[baseline] if baseline else None,
+        sampler=make_sampler(args.sampler, args.seed), study_name=study_name, storage=storage, seed=args.seed,
+        recorded=RECORDED, first_is_baseline=baseline is not None,
+    )
+
+
+RECORDED = ("single_tok_s", "aggregate_tok_s", "ttft_ms", "prefill_tok_s", "nll", "nll_baseline", "nll_delta",
+            "mem_predicted", "mem_measured", "mem_budget", "constraint_mem", "constraint_quality", "feasible",
+            "rejected", "error", "setup_s", "weight_loads", "weight_load_s", "actor", "sm_clock_mhz",
+            "mem_clock_mhz", "sm_clock_max_mhz", "temperature_c", "throttle_reasons", "throttled", "shared",
+            "time_total_s", "n_ctx")
+
+
+def open_storage(args: argparse.Namespace) -> Any:
+    import optuna
+
+    url = args.storage or f"sqlite:///{(args.results_dir / 'optuna.db').resolve()}"
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.RDBStorage(url)
+
+
+def run_study(args: argparse.Namespace, settings: Any, searcher: Any, on_gpu: bool, gpus: int,
+              study_name: str) -> float:
+    from ray import tune
+    from ray.tune import CLIReporter
+
+    from tuning.trial import EngineTrial
+
+    resources = {"gpu": 1, "cpu": 1} if on_gpu else {"cpu": 1}
+    trainable = tune.with_resources(tune.with_parameters(EngineTrial, settings=settings), resources)
+    reporter = CLIReporter(
+        parameter_columns=["n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn"],
+        metric_columns={"single_tok_s": "single", "aggregate_tok_s": "4-way", "feasible": "ok"},
+        max_report_frequency=15,
+    )
+    tuner = tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(search_alg=searcher, num_samples=args.trials, reuse_actors=True,
+                                    max_concurrent_trials=max(gpus, 1) if on_gpu else 1),
+        run_config=tune.RunConfig(name=study_name, storage_path=str((args.results_dir / "ray").resolve()),
+                                  stop={"training_iteration": 1}, progress_reporter=reporter, verbose=1),
+    )
+    t0 = time.perf_counter()
+    tuner.fit()
+    return time.perf_counter() - t0
+
+
+def finish(args: argparse.Namespace, storage: Any, study_name: str, base: EngineConfig, context: dict[str, Any]) -> int:
+    import optuna
+
+    from tuning import report
+    from tuning.writeback import apply_to_serve, write_config
+
+    study = optuna.load_study(study_name=study_name, storage=storage)
+    rows = report.rows_from_study(study)
+    winner = report.pick(rows, args.prefer)
+    out_dir = args.results_dir / study_name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report.plot(rows, winner, out_dir / "pareto.png")
+    loads = {r.attrs.get("actor"): r.attrs.get("weight_loads", 0) for r in rows if r.attrs.get("actor")}
+    load_s = {r.attrs.get("actor"): r.attrs.get("weight_load_s", 0.0) for r in rows if r.attrs.get("actor")}
+    context = {**context, "trials in study": len(rows), "weight loads (all actors)": sum(loads.values()),
+               "time loading weights": f"{sum(load_s.values()):.1f} s"}
+    (out_dir / "report.md").write_text(report.markdown(rows, winner, args.prefer, context, "pareto.png"))
+    print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
+    if winner is None:
+        print("no feasible trial: nothing written; widen the space or the budget", file=sys.stderr)
+        return 1
+    tuned = to_engine_config(winner.params, base)
+    baseline = next((r for r in rows if r.is_baseline), None)
+    summary = (f"study {study_name}, trial {winner.number} ({args.prefer} pick): {winner.single:.1f} tok/s single, "
+               f"{winner.aggregate:.1f} tok/s 4-way; {report.gain(winner, baseline)}")
+    write_config(args.out, tuned, header=summary)
+    print(f"pick: {summary}\nwritten: {args.out}")
+    if not args.no_apply:
+        if args.started_ray:  # the Serve app lives in its own cluster: leave ours, join that one
+            import ray
+
+            ray.shutdown()
+        result = apply_to_serve(tuned, app_name=args.app_name, address=args.serve_address)
+        print(f"live apply: {result.message}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    base = base_config(args)
+    try:
+        shape = ModelShape.from_gguf(base.model_path)
+        space = SearchSpace.from_yaml(args.space)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    min_ctx = args.min_ctx_per_slot or min(2048, shape.n_ctx_train or 2048)
+    try:
+        contexts = space.contexts(min_ctx)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    total, free = start_ray(args)
+    on_gpu = choose_device(args, total, free)
+    budget = budget_bytes(args, on_gpu)
+    check_possible(shape, base, space, contexts[0], budget, on_gpu)
+    n_layers = layer_search(shape, base, budget, on_gpu, space, contexts[0])
+    study_name = args.study_name or f"{base.model_path.stem}-{'gpu' if on_gpu else 'cpu'}-{budget // 2**20}MiB"
+    storage = open_storage(args)
+    baseline = article_point(base, space, contexts) if not _study_has_trials(storage, study_name) else None
+
+    from tuning.trial import TrialSettings
+
+    settings = TrialSettings(base=base, shape=shape, budget_bytes=budget, on_gpu=on_gpu,
+                             workload=Workload(gen_tokens=args.gen_tokens, repeats=args.repeats),
+                             max_quality_loss=args.max_quality_loss)
+    searcher = make_searcher(args, space, contexts, n_layers, baseline, storage, study_name)
+    print(f"tuning {base.model_path.name} on {'GPU' if on_gpu else 'CPU'} ({max(total, 1) if on_gpu else 1} "
+          f"trial(s) at a time), budget {budget / GiB:.2f} GiB, >= {min_ctx} tokens per slot, {args.trials} trials")
+    wall = run_study(args, settings, searcher, on_gpu, total, study_name)
+    context = {"model": base.model_path.name, "device": "GPU" if on_gpu else "CPU",
+               "budget": f"{budget / GiB:.2f} GiB", "min context per slot": min_ctx,
+               "max quality loss": f"{args.max_quality_loss} nats/token", "sampler": args.sampler,
+               "study": study_name, "this run": f"{args.trials} trials in {wall:.0f} s"}
+    return finish(args, storage, study_name, base, context)
+
+
+def _study_has_trials(storage: Any, study_name: str) -> bool:
+    import optuna
+
+    try:
+        return len(optuna.load_study(study_name=study_name, storage=storage).trials) > 0
+    except KeyError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; the study is saved and resumes with the same --study-name", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
