@@ -1,0 +1,165 @@
+"""Unit tests of scripts/bench_device.py's pure parts: roofline and bandwidth arithmetic, the config rendering
+(llama-server flags and EngineConfig fields must mean the same), and the final table.
+
+The device phases themselves need llama-server, a model and (for the figures that matter) a GPU; they are
+exercised by the CPU smoke run described in the script's docstring, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def bd():
+    """The script imported as a module (scripts/ is not a package: put it on the path just for the import)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        yield importlib.import_module(SCRIPT.stem)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_bandwidth_counts_read_and_write(bd):
+    summary = bd.bandwidth_summary(GiB, [0.5, 0.25, 1.0])
+    assert summary["bytes_moved_per_copy"] == 2 * GiB
+    assert summary["median_s"] == 0.5
+    assert summary["bytes_per_s"] == pytest.approx(4 * GiB)
+    assert summary["best_bytes_per_s"] == pytest.approx(8 * GiB)
+    assert summary["worst_bytes_per_s"] == pytest.approx(2 * GiB)
+
+
+def test_bandwidth_ignores_zero_times_and_refuses_none(bd):
+    assert bd.bandwidth_summary(100, [0.0, 1.0])["copies"] == 1
+    with pytest.raises(ValueError):
+        bd.bandwidth_summary(100, [0.0])
+
+
+def test_roofline_matches_device_notes(bd):
+    # shared/device-notes.md: 4.18 TB/s over a 15.32 GB model -> ~273 tok/s single stream
+    assert bd.roofline_tok_s(4.18e12, 15_320_000_000) == pytest.approx(272.8, abs=0.5)
+    # the seed article's own ceiling: 900 GB/s / 14.5 GB ~= 62 tok/s
+    assert bd.roofline_tok_s(900e9, 14_500_000_000) == pytest.approx(62.07, abs=0.01)
+
+
+@pytest.mark.parametrize("bw, per_token", [(None, 10), (1e9, None), (1e9, 0), (0.0, 10), (1e9, -5)])
+def test_roofline_missing_inputs(bd, bw, per_token):
+    assert bd.roofline_tok_s(bw, per_token) is None
+
+
+def test_ratio(bd):
+    assert bd.ratio(50.0, 100.0) == 0.5
+    assert bd.ratio(None, 100.0) is None
+    assert bd.ratio(50.0, None) is None
+    assert bd.ratio(50.0, 0.0) is None
+
+
+def test_parse_configs(bd):
+    assert [c.name for c in bd.parse_configs("np4, article")] == ["np4", "article"]
+    with pytest.raises(argparse.ArgumentTypeError, match="choose from"):
+        bd.parse_configs("article,nope")
+    with pytest.raises(argparse.ArgumentTypeError):
+        bd.parse_configs(" , ")
+
+
+def test_article_flags_are_the_articles(bd):
+    args = bd.CONFIGS["article"].server_args()
+    assert " ".join(args) == "-ngl 99 -c 4096 -fa on -ctk q8_0 -ctv q8_0 -np 2 -b 512 -ub 512"
+    assert bd.CONFIGS["np4"].server_args(threads=8)[-2:] == ["-t", "8"]
+    np4 = " ".join(bd.CONFIGS["np4"].server_args())
+    assert "-np 4" in np4 and "-c 8192" in np4
+
+
+@pytest.mark.parametrize("name", ["article", "np4"])
+def test_engine_fields_mean_the_same_as_the_flags(bd, name):
+    from serving.config import EngineConfig
+
+    cfg = bd.CONFIGS[name]
+    flags = cfg.server_args(threads=3)
+    flag = {flags[i]: flags[i + 1] for i in range(0, len(flags), 2)}
+    config = EngineConfig(**cfg.engine_fields(Path("/models/x.gguf"), threads=3))
+    assert config.n_ctx == int(flag["-c"]) and config.n_parallel == int(flag["-np"])
+    assert config.n_batch == int(flag["-b"]) and config.n_ubatch == int(flag["-ub"])
+    assert config.type_k.value == flag["-ctk"] and config.type_v.value == flag["-ctv"]
+    assert config.flash_attn.value == flag["-fa"] and config.n_gpu_layers == -1 and flag["-ngl"] == "99"
+    assert config.n_threads == int(flag["-t"]) and config.model == Path("/models/x.gguf")
+
+
+def _results(single: float, agg: float, ttft: float) -> dict:
+    return {"1": {"median": {"decode_tok_s_per_stream": single, "aggregate_tok_s": single, "ttft_ms_mean": ttft}},
+            "4": {"median": {"decode_tok_s_per_stream": agg / 4, "aggregate_tok_s": agg, "ttft_ms_mean": 99.0}}}
+
+
+def _report() -> dict:
+    return {
+        "roofline_tok_s_single_stream": 200.0,
+        "configs": {"article": {
+            "predicted": {"total": 16 * GiB},
+            "targets": {
+                "ours HTTP": {"error": "RuntimeError: boom", "results": None, "memory": {"loaded_idle": None}},
+                "llama-server": {"error": None, "results": _results(100.0, 160.0, 50.0),
+                                 "memory": {"loaded_idle": 15 * GiB, "after_workload": 15.5 * GiB}},
+                "ours in-process": {"error": None, "results": _results(90.0, 176.0, 60.0),
+                                    "memory": {"loaded_idle": 15 * GiB}},
+            }}},
+    }
+
+
+def test_build_rows_orders_targets_and_computes_ratios(bd):
+    rows = bd.build_rows(_report())
+    assert [r.target for r in rows] == ["llama-server", "ours in-process", "ours HTTP"]
+    ref, ours, http = rows
+    assert (ref.ratio_single, ref.ratio_multi) == (1.0, 1.0)
+    assert ours.ratio_single == pytest.approx(0.9) and ours.ratio_multi == pytest.approx(1.1)
+    assert ours.roofline_fraction == pytest.approx(0.45) and ours.ttft_ms == 60.0
+    assert ref.memory_measured == 15.5 * GiB  # after the workload wins over right-after-load
+    assert ours.memory_measured == 15 * GiB and ours.memory_predicted == 16 * GiB
+    assert http.error == "RuntimeError: boom" and http.single_tok_s is None and http.ratio_single is None
+
+
+def test_build_rows_without_llama_server_has_no_ratios(bd):
+    report = _report()
+    del report["configs"]["article"]["targets"]["llama-server"]
+    report["roofline_tok_s_single_stream"] = None
+    ours = bd.build_rows(report)[0]
+    assert ours.ratio_single is None and ours.roofline_fraction is None and ours.single_tok_s == 90.0
+
+
+def test_format_table(bd):
+    text = bd.format_table(bd.build_rows(_report()), "VRAM")
+    lines = text.splitlines()
+    assert "VRAM GiB meas / pred" in lines[0] and "mem" not in lines[0]
+    assert len({len(line) for line in lines[:3]}) == 1  # header, rule and rows line up
+    assert "0.900 / 1.100" in text and "45.0" in text and "15.00 / 16.00" in text
+    http = next(i for i, line in enumerate(lines) if "ours HTTP" in line)
+    assert "- / -" in lines[http] and lines[http + 1].strip() == "! RuntimeError: boom"
+
+
+def test_format_table_empty(bd):
+    assert len(bd.format_table([]).splitlines()) == 2
+
+
+def test_describe_error_names_the_limit(bd):
+    assert bd.describe_error(TimeoutError(), 600) == "TimeoutError: phase exceeded 600 s"
+    assert bd.describe_error(ValueError("bad"), 600) == "ValueError: bad"
+
+
+def test_bandwidth_worker_host(bd, capsys):
+    assert bd.main(["--bandwidth-worker", "cpu", "--bw-gib", "0.001", "--bw-repeats", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["device"] == "cpu" and out["copies"] == 2 and out["bytes_per_s"] > 0
+
+
+def test_llama_cpp_commit(bd):
+    version = "version: 0.5.0-dev (build 1, commit 0c1e570) | built with GNU 12.2.0 for Linux x86_64"
+    assert bd.llama_cpp_commit(version) == "0c1e570"
+    assert bd.llama_cpp_commit("version: 1") is None and bd.llama_cpp_commit(None) is None
