@@ -1,10 +1,11 @@
 """The one place that loads libllama, so the load order is safe wherever the engine runs.
 
-On the GPU machine a model with a large vocabulary crashed at load when numpy had been imported before
-libllama.so (shared/device-notes.md). Importing `llama_cpp` loads the shared library first and numpy after
-it, so every module of ours that needs llama.cpp imports it from here, and `serving/__init__.py` imports
-this module before anything else of ours can pull numpy in. `numpy_was_first` records whether some other
-code (a Ray worker, say) imported numpy earlier, and the engine logs it next to any load failure.
+Measured on the H200 machine (2026-12-02, CUDA build of llama.cpp 0c1e570): importing `ray` AFTER
+libllama.so was loaded aborts the process ("free(): invalid pointer") when ray loads its _raylet.so with
+RTLD_GLOBAL; ray first, then libllama, works. Loading a 152k-vocabulary model with numpy imported before
+libllama (a crash reported in shared/device-notes.md) did not crash in the same session, inside a Ray task.
+So this module imports ray before llama_cpp, every module of ours that needs llama.cpp imports it from
+here, and `serving/__init__.py` imports this module first. `numpy_was_first` is kept for diagnosis.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 
 numpy_was_first = "numpy" in sys.modules
 
-import llama_cpp.llama_cpp as llama_cpp  # noqa: E402  (the load order is the point of this module)
+import ray  # noqa: E402,F401  (ray's _raylet.so must load before libllama: see above)
+import llama_cpp.llama_cpp as llama_cpp  # noqa: E402
 
 _log = logging.getLogger("llama.cpp")
 
