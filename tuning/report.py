@@ -37,7 +37,8 @@ class TrialRow:
 
     def label(self) -> str:
         p = self.params
-        label = (f"np{p.get('n_parallel')} b{p.get('n_batch')}/{p.get('n_ubatch')} c{p.get('ctx_per_slot')}/slot "
+        ubatch = min(p.get("n_ubatch") or 0, p.get("n_batch") or 0)  # as the engine ran it (clamped)
+        label = (f"np{p.get('n_parallel')} b{p.get('n_batch')}/{ubatch} c{p.get('ctx_per_slot')}/slot "
                  f"{p.get('type_k')}/{p.get('type_v')} fa-{p.get('flash_attn')}")
         return label + (f" ngl{p['n_gpu_layers']}" if "n_gpu_layers" in p else "")
 
