@@ -46,11 +46,10 @@ def summarise(sampler: str, wall_s: float, args: argparse.Namespace) -> dict[str
     rows = report.rows_from_study(study)
     pick = report.pick(rows, args.prefer)
     baseline = next((r for r in rows if r.is_baseline), None)
-    loads = {r.attrs.get("actor"): (r.attrs.get("weight_loads", 0), r.attrs.get("weight_load_s", 0.0))
-             for r in rows if r.attrs.get("actor")}
+    loads, load_s = report.weight_loads(rows)
     return {
         "sampler": sampler, "trials": len(rows), "feasible": sum(r.feasible for r in rows), "wall_s": wall_s,
-        "weight_loads": sum(v[0] for v in loads.values()), "weight_load_s": sum(v[1] for v in loads.values()),
+        "weight_loads": loads, "weight_load_s": load_s,
         "pick": pick.label() if pick else None, "pick_trial": pick.number if pick else None,
         "single_tok_s": pick.single if pick else None, "aggregate_tok_s": pick.aggregate if pick else None,
         "baseline_single_tok_s": baseline.single if baseline else None,

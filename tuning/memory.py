@@ -47,6 +47,7 @@ class ModelShape:
     n_ctx_train: int
     weight_bytes: int  # every tensor in the file
     token_embd_bytes: int  # the input embedding: a lookup table llama.cpp keeps in host memory
+    tied_embeddings: bool = False  # no `output.weight`: the output layer reuses token_embd (e.g. SmolLM2)
 
     @property
     def kv_bytes_per_token_f16(self) -> int:
@@ -55,7 +56,11 @@ class ModelShape:
 
     @property
     def bytes_read_per_token(self) -> int:
-        """Weights streamed from memory for one decoded token (all but the embedding lookup)."""
+        """Weights streamed from memory for one decoded token: all but the embedding lookup, unless the
+        output layer is the token embedding itself (tied), which is then read in full every token (and
+        llama.cpp keeps a copy of it on the GPU as the output layer)."""
+        if self.tied_embeddings:
+            return self.weight_bytes
         return self.weight_bytes - self.token_embd_bytes
 
     @classmethod
@@ -88,6 +93,7 @@ class ModelShape:
             n_ctx_train=int(_field(reader, f"{arch}.context_length", 0)),
             weight_bytes=sum(tensors.values()),
             token_embd_bytes=tensors.get("token_embd.weight", 0),
+            tied_embeddings="output.weight" not in tensors and "token_embd.weight" in tensors,
         )
 
 

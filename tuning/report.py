@@ -55,6 +55,19 @@ def rows_from_study(study: Any) -> list[TrialRow]:
     return rows
 
 
+def weight_loads(rows: list[TrialRow]) -> tuple[int, float]:
+    """Weight loads and seconds spent loading, over all trial actors (each actor's running totals; a trial
+    rejected before loading reports none, so the largest figure per actor counts)."""
+    per_actor: dict[str, tuple[int, float]] = {}
+    for r in rows:
+        actor = r.attrs.get("actor")
+        if actor:
+            loads, secs = per_actor.get(actor, (0, 0.0))
+            per_actor[actor] = (max(loads, int(r.attrs.get("weight_loads", 0))),
+                                max(secs, float(r.attrs.get("weight_load_s", 0.0))))
+    return sum(v[0] for v in per_actor.values()), sum(v[1] for v in per_actor.values())
+
+
 def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
     """Feasible trials no other feasible trial beats on both single-stream and aggregate tok/s."""
     feasible = [r for r in rows if r.feasible]

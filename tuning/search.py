@@ -245,10 +245,9 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     out_dir = args.results_dir / study_name
     out_dir.mkdir(parents=True, exist_ok=True)
     report.plot(rows, winner, out_dir / "pareto.png")
-    loads = {r.attrs.get("actor"): r.attrs.get("weight_loads", 0) for r in rows if r.attrs.get("actor")}
-    load_s = {r.attrs.get("actor"): r.attrs.get("weight_load_s", 0.0) for r in rows if r.attrs.get("actor")}
-    context = {**context, "trials in study": len(rows), "weight loads (all actors)": sum(loads.values()),
-               "time loading weights": f"{sum(load_s.values()):.1f} s"}
+    loads, load_s = report.weight_loads(rows)
+    context = {**context, "trials in study": len(rows), "weight loads (all actors)": loads,
+               "time loading weights": f"{load_s:.1f} s"}
     (out_dir / "report.md").write_text(report.markdown(rows, winner, args.prefer, context, "pareto.png"))
     print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
     if winner is None:
