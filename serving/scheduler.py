@@ -194,6 +194,13 @@ class Scheduler:
                 if not self._waiting:
                     return
                 request, handle = self._waiting.popleft()
+            if len(request.prompt_tokens) >= self._ctx.n_ctx_seq:  # queued before a reconfigure shrank slots
+                handle.push(GenerationChunk(
+                    finish_reason=FINISH_ERROR, usage=Usage(len(request.prompt_tokens)),
+                    error=f"the prompt ({len(request.prompt_tokens)} tokens) no longer fits a slot "
+                          f"({self._ctx.n_ctx_seq} tokens) after a configuration change"))
+                self.counters.requests_failed += 1
+                continue
             self._assign(self._pick_slot(free, request.prompt_tokens), request, handle)
 
     def _pick_slot(self, free: list[Slot], prompt: list[int]) -> Slot:
