@@ -167,6 +167,13 @@ def parse_bytes(text: str) -> int:
     cleaned = text.strip().lower().replace(" ", "")
     number = cleaned.rstrip("kmgtib")
     unit = cleaned[len(number):]
+    error = ValueError(f"cannot read '{text}' as a size: write e.g. 32GiB, 16GB or 900MiB")
     if unit not in units or not number:
-        raise ValueError(f"cannot read '{text}' as a size: write e.g. 32GiB, 16GB or 900MiB")
-    return int(float(number) * units[unit])
+        raise error
+    try:
+        value = float(number)
+    except ValueError:
+        raise error from None
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise error
+    return int(value * units[unit])

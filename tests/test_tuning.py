@@ -1,0 +1,430 @@
+"""The tuner through its real code: the CLI end to end on CPU, the memory budget, bad input, live write-back,
+and the pieces it is built from (search space rules, memory model, Pareto pick)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from serving import llama as _llama  # noqa: F401  (load order: libllama before numpy)
+from serving.config import CacheType, EngineConfig, FlashAttn, embedded_model_path, load_engine_config
+from tuning.memory import GiB, ModelShape, parse_bytes, predict
+from tuning.report import TrialRow, pareto_front, pick
+from tuning.space import SearchSpace, suggest, to_engine_config
+
+SMALL_SPACE = {
+    "n_parallel": [1, 2], "n_batch": [256, 512], "n_ubatch": [256], "ctx_per_slot": [1024],
+    "type_k": ["f16", "q8_0"], "type_v": ["f16", "q8_0"], "flash_attn": ["on"],
+}
+FAST = ["--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "1024", "--no-apply"]
+
+
+@pytest.fixture(scope="module")
+def shape() -> ModelShape:
+    return ModelShape.from_gguf(embedded_model_path())
+
+
+def write_space(path: Path, space: dict) -> Path:
+    path.write_text(yaml.safe_dump(space))
+    return path
+
+
+def tuner_args(tmp_path: Path, space: dict, *extra: str) -> list[str]:
+    return ["--space", str(write_space(tmp_path / "space.yaml", space)), "--results-dir", str(tmp_path),
+            "--out", str(tmp_path / "tuned.yaml"), "--study-name", "t", *FAST, *extra]
+
+
+def load_trials(tmp_path: Path) -> list:
+    import optuna
+
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    return study.trials
+
+
+# -- the CLI end to end -----------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_search_runs_end_to_end_and_writes_a_loadable_config(ray_session: None, tmp_path: Path) -> None:
+    from tuning.search import main
+
+    t0 = time.monotonic()
+    assert main(["--trials", "3", *tuner_args(tmp_path, SMALL_SPACE)]) == 0
+    print(f"3 trials end to end: {time.monotonic() - t0:.1f} s")
+
+    tuned = load_engine_config(tmp_path / "tuned.yaml")
+    assert tuned.n_parallel in (1, 2) and tuned.n_batch in (256, 512) and tuned.n_ubatch == 256
+    assert tuned.n_ctx == 1024 * tuned.n_parallel and tuned.flash_attn == FlashAttn.on
+    assert tuned.type_k in (CacheType.f16, CacheType.q8_0) and tuned.type_v in (CacheType.f16, CacheType.q8_0)
+    report = (tmp_path / "t" / "report.md").read_text()
+    assert "# Tuning report" in report and "## Winner" in report and "## Pareto front" in report
+    assert (tmp_path / "t" / "pareto.png").stat().st_size > 1000
+
+    trials = load_trials(tmp_path)
+    assert len(trials) == 3 and all(t.state.name == "COMPLETE" for t in trials)
+    for t in trials:
+        a = t.user_attrs
+        assert a["single_tok_s"] > 0 and a["aggregate_tok_s"] > 0 and a["ttft_ms"] > 0
+        assert a["mem_predicted"] > 0 and a["mem_measured"] > 0 and a["rejected"] == "" and a["error"] == ""
+        assert a["nll"] > 0 and abs(a["nll_delta"]) < 0.5
+        assert a["params"]["ctx_per_slot"] == 1024 and a["n_ctx"] == 1024 * a["params"]["n_parallel"]
+        assert a["weight_loads"] == 1  # the actor is reused: later trials rebuild only the context
+    # the written config is the one a trial measured
+    winner_params = [t.user_attrs["params"] for t in trials]
+    assert any(to_engine_config(p, EngineConfig()).model_dump(exclude={"seed"}) ==
+               tuned.model_dump(exclude={"seed"}) for p in winner_params)
+
+
+@pytest.mark.timeout(300)
+def test_tight_budget_rejects_big_contexts_without_loading(ray_session: None, tmp_path: Path,
+                                                           shape: ModelShape) -> None:
+    from tuning.search import main
+
+    space = {"n_parallel": [1, 4], "n_batch": [256], "n_ubatch": [256], "ctx_per_slot": [1024, 8192],
+             "type_k": ["f16"], "type_v": ["f16"], "flash_attn": ["on"]}
+
+    def need(n_parallel: int, ctx: int) -> int:
+        params = {"n_parallel": n_parallel, "n_batch": 256, "n_ubatch": 256, "ctx_per_slot": ctx,
+                  "type_k": "f16", "type_v": "f16", "flash_attn": "on"}
+        return predict(shape, to_engine_config(params, EngineConfig()), on_gpu=False).total
+
+    # between the largest 1024-per-slot config and the smallest 8192-per-slot one
+    small, big = need(4, 1024), need(1, 8192)
+    assert small < big
+    budget = (small + big) // 2
+    assert main(["--trials", "6", "--vram-budget", str(budget), *tuner_args(tmp_path, space)]) == 0
+
+    trials = load_trials(tmp_path)
+    assert len(trials) == 6
+    rejected = [t for t in trials if t.user_attrs["rejected"]]
+    ran = [t for t in trials if not t.user_attrs["rejected"]]
+    assert rejected and ran, "the seeded sampler should propose both kinds of point"
+    for t in rejected:
+        a = t.user_attrs
+        assert a["rejected"] == "predicted memory over budget"
+        assert a["params"]["ctx_per_slot"] == 8192 and a["mem_predicted"] > budget
+        assert a["single_tok_s"] == 0 and "mem_measured" not in a and not a["feasible"]
+    for t in ran:
+        a = t.user_attrs
+        assert a["params"]["ctx_per_slot"] == 1024 and a["mem_predicted"] <= budget
+        assert a["single_tok_s"] > 0 and 0 < a["mem_measured"] <= budget and a["feasible"]
+    tuned = load_engine_config(tmp_path / "tuned.yaml")
+    assert tuned.n_ctx_per_slot == 1024
+    assert predict(shape, tuned, on_gpu=False).total <= budget
+
+
+# -- bad input: exit code 2, a message, no traceback, no hang -----------------------------------------
+@pytest.mark.timeout(120)
+def test_unknown_flag_value_is_an_argparse_error(capsys: pytest.CaptureFixture) -> None:
+    from tuning.search import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--prefer", "fastest"])
+    assert info.value.code == 2
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra,message", [
+    (["--vram-budget", "1MiB"], "impossible space"),
+    (["--model", "/nonexistent.gguf"], "/nonexistent.gguf does not exist"),
+    (["--device", "gpu"], "has no GPU"),
+    (["--vram-budget", "lots"], "cannot read 'lots' as a size"),
+    (["--min-ctx-per-slot", "100000"], "no ctx_per_slot value"),
+], ids=["impossible-budget", "no-model", "no-gpu", "bad-size", "min-ctx-too-big"])
+def test_bad_input_returns_2_with_a_clear_message(ray_session: None, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                  extra: list[str], message: str) -> None:
+    from tuning.search import main
+
+    args = ["--trials", "1", "--results-dir", str(tmp_path), "--out", str(tmp_path / "tuned.yaml"), "--no-apply"]
+    t0 = time.monotonic()
+    assert main(args + extra) == 2
+    assert time.monotonic() - t0 < 60
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "tuned.yaml").exists() and not (tmp_path / "optuna.db").exists()
+
+
+# -- write-back --------------------------------------------------------------------------------------
+def test_write_config_is_atomic_and_reads_back_equal(tmp_path: Path) -> None:
+    from tuning.writeback import write_config
+
+    path = tmp_path / "sub" / "tuned.yaml"
+    first = EngineConfig(n_parallel=2, n_ctx=4096, n_batch=512, n_ubatch=256, type_k="q8_0", type_v="q8_0",
+                         flash_attn="on", seed=7)
+    write_config(path, first, header="line one\nline two")
+    assert load_engine_config(path) == first
+    assert path.read_text().startswith("# Written by python -m tuning.search") and "# line two" in path.read_text()
+    second = first.model_copy(update={"n_parallel": 8, "n_ctx": 8192})
+    write_config(path, second)
+    assert load_engine_config(path) == second
+    assert [p.name for p in path.parent.iterdir()] == ["tuned.yaml"]  # no temp file left behind
+
+
+def test_write_config_failure_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from tuning import writeback
+
+    path = tmp_path / "tuned.yaml"
+    old = EngineConfig(n_parallel=1, n_ctx=1024)
+    writeback.write_config(path, old)
+
+    def broken_replace(src: str, dst: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        writeback.write_config(path, EngineConfig(n_parallel=2, n_ctx=2048))
+    assert load_engine_config(path) == old
+    assert [p.name for p in tmp_path.iterdir()] == ["tuned.yaml"]
+
+
+def _slots(serve_url: str) -> dict:
+    return httpx.get(f"{serve_url}/slots", timeout=30).json()
+
+
+@pytest.mark.timeout(300)
+def test_live_apply_switches_the_running_app_without_failing_a_request(serve_url: str) -> None:
+    from tuning.writeback import apply_to_serve
+
+    before = _slots(serve_url)
+    original = EngineConfig(**before["config"])
+    new = original.model_copy(update={"n_parallel": 2, "n_ctx": 2048, "n_batch": 512})
+    assert new != original
+    statuses: list[int] = []
+    errors: list[str] = []
+    stop = threading.Event()
+    switched_at: list[int] = []
+    spans: list[tuple[float, float]] = []  # (sent, answered) of each request
+
+    def client(i: int) -> None:
+        with httpx.Client(timeout=60) as http:
+            n = 0
+            while not stop.is_set() and len(statuses) < 200:
+                start = time.monotonic()
+                try:
+                    r = http.post(f"{serve_url}/v1/completions",
+                                  json={"prompt": f"Client {i}, request {n}: the weather is", "max_tokens": 4})
+                    statuses.append(r.status_code)
+                    spans.append((start, time.monotonic()))
+                    if r.status_code != 200:
+                        errors.append(r.text)
+                except httpx.HTTPError as exc:
+                    statuses.append(-1)
+                    errors.append(repr(exc))
+                n += 1
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(statuses) < 3 and time.monotonic() < deadline:  # traffic is flowing before the switch
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        result = apply_to_serve(new, app_name="llama", timeout_s=120)
+        switch_s = time.monotonic() - t0
+        switched_at.append(len(statuses))
+        time.sleep(2.0)  # and keeps flowing after it
+        stop.set()
+        for t in threads:
+            t.join(60)
+        print(f"live apply took {switch_s:.1f} s; {len(statuses)} requests, {switched_at[0]} before the switch ended")
+        assert result.applied, result.message
+        assert statuses and not errors and set(statuses) == {200}, errors[:3]
+        assert len(statuses) > switched_at[0], "no request was served after the switch"
+        assert any(sent < t0 + switch_s and answered > t0 for sent, answered in spans), \
+            "no request was in flight during the switch"
+        after = _slots(serve_url)
+        assert after["config"]["n_parallel"] == 2 and after["config"]["n_ctx"] == 2048
+        assert after["config"]["n_batch"] == 512 and len(after["slots"]) == 2 and after["n_ctx_slot"] == 1024
+        assert after["weight_loads"] == before["weight_loads"] == 1  # only the context was rebuilt
+        assert after["counters"]["requests_failed"] == before["counters"]["requests_failed"]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        restored = apply_to_serve(original, app_name="llama", timeout_s=120)
+        assert restored.applied, restored.message
+        back = _slots(serve_url)
+        assert EngineConfig(**back["config"]) == original and len(back["slots"]) == original.n_parallel
+
+
+def test_live_apply_to_a_missing_app_only_reports(ray_session: None) -> None:
+    from tuning.writeback import apply_to_serve
+
+    result = apply_to_serve(EngineConfig(n_parallel=1, n_ctx=1024), app_name="no-such-app", timeout_s=5)
+    assert not result.applied and "no-such-app" in result.message and "only the file was written" in result.message
+
+
+# -- report: Pareto front and pick -------------------------------------------------------------------
+def row(n: int, single: float, aggregate: float, feasible: bool = True) -> TrialRow:
+    return TrialRow(n, {"n_parallel": 1}, {"single_tok_s": single, "aggregate_tok_s": aggregate,
+                                           "feasible": feasible}, False)
+
+
+ROWS = [
+    row(0, 100.0, 100.0),                   # best single
+    row(1, 96.0, 180.0),                    # within 5% of the best single, best aggregate there: balanced
+    row(2, 80.0, 300.0),                    # best aggregate
+    row(3, 90.0, 150.0),                    # dominated by 1
+    row(4, 200.0, 900.0, feasible=False),   # dominates everything, but infeasible
+    row(5, 94.0, 179.0),                    # within 5%, dominated by 1
+]
+
+
+def test_pareto_front_excludes_dominated_and_infeasible_rows() -> None:
+    front = pareto_front(ROWS)
+    assert [r.number for r in front] == [0, 1, 2]  # sorted by single stream, best first
+    assert pareto_front([row(0, 1.0, 1.0, feasible=False)]) == []
+    # equal on both objectives: neither dominates the other
+    assert {r.number for r in pareto_front([row(0, 5.0, 5.0), row(1, 5.0, 5.0)])} == {0, 1}
+
+
+def test_pick_by_preference() -> None:
+    assert pick(ROWS, "balanced").number == 1
+    assert pick(ROWS, "single").number == 0
+    assert pick(ROWS, "aggregate").number == 2
+    assert pick([row(0, 1.0, 1.0, feasible=False)], "balanced") is None
+    assert pick([], "single") is None
+    # nothing else within 5%: balanced is the best single stream
+    assert pick([row(0, 100.0, 10.0), row(1, 90.0, 500.0)], "balanced").number == 0
+    # exactly at the 5% line counts as within
+    assert pick([row(0, 100.0, 10.0), row(1, 95.0, 500.0)], "balanced").number == 1
+
+
+# -- search space ----------------------------------------------------------------------------------
+def draw(**fixed: object) -> dict:
+    import optuna
+
+    values = {"n_parallel": 2, "n_batch": 256, "n_ubatch": 512, "ctx_per_slot": 1024, "type_k": "f16",
+              "type_v": "f16", "flash_attn": "off", **fixed}
+    space = SearchSpace()
+    return suggest(optuna.trial.FixedTrial(values), space, space.contexts(1024), None)
+
+
+def test_quantised_v_cache_forces_flash_attention_on() -> None:
+    assert draw(type_v="q8_0", flash_attn="off")["flash_attn"] == "on"
+    assert draw(type_v="q4_0")["flash_attn"] == "on"
+    assert draw(type_v="f16", flash_attn="off")["flash_attn"] == "off"
+    config = to_engine_config(draw(type_k="q8_0", type_v="q8_0"), EngineConfig())
+    assert config.flash_attn == FlashAttn.on and config.type_v == CacheType.q8_0
+
+
+def test_n_ubatch_is_clamped_to_n_batch_and_context_is_per_slot() -> None:
+    params = draw(n_batch=256, n_ubatch=2048, n_parallel=4, ctx_per_slot=2048)
+    config = to_engine_config(params, EngineConfig(n_threads=3))
+    assert config.n_batch == 256 and config.n_ubatch == 256
+    assert config.n_ctx == 8192 and config.n_ctx_per_slot == 2048 and config.n_threads == 3
+
+
+def test_contexts_below_the_minimum_are_dropped() -> None:
+    space = SearchSpace(ctx_per_slot=[512, 1024, 4096, 2048])
+    assert space.contexts(1024) == [1024, 2048, 4096]
+    assert space.contexts(1) == [512, 1024, 2048, 4096]
+    with pytest.raises(ValueError, match="min-ctx-per-slot"):
+        space.contexts(8192)
+    with pytest.raises(ValueError):
+        SearchSpace(n_parallel=[])
+    assert SearchSpace(flash_attn=[True, False]).flash_attn == [FlashAttn.on, FlashAttn.off]  # YAML on/off
+
+
+def test_shipped_search_space_parses() -> None:
+    space = SearchSpace.from_yaml(None)
+    assert space.n_parallel and space.contexts(1024)
+
+
+# -- memory model ----------------------------------------------------------------------------------
+def _header(path: Path) -> dict:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    get = lambda key: reader.fields[f"{arch}.{key}"].contents()  # noqa: E731
+    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
+    return {"layers": get("block_count"), "kv_heads": get("attention.head_count_kv"),
+            "head_dim": get("embedding_length") // get("attention.head_count"), "tensors": tensors}
+
+
+def test_kv_cache_is_exact_arithmetic(shape: ModelShape) -> None:
+    h = _header(embedded_model_path())
+    per_elem_cells = 2 * h["layers"] * h["kv_heads"] * h["head_dim"]  # K and V, every layer
+    f16 = EngineConfig(n_parallel=1, n_ctx=1024)
+    assert predict(shape, f16, on_gpu=False).kv_cache == per_elem_cells * 2 * 1024
+    q8 = EngineConfig(n_parallel=1, n_ctx=1024, type_k="q8_0", type_v="q8_0", flash_attn="on")
+    assert predict(shape, q8, on_gpu=False).kv_cache == int(per_elem_cells * 34 / 32 * 1024)
+    # cells are padded as llama.cpp pads them: n_ctx to 256, then each slot's share to 256
+    padded = EngineConfig(n_parallel=3, n_ctx=3000)
+    assert padded.n_ctx_cells == 3 * 1024  # pad(3000)=3072, /3 = 1024 per slot
+    assert predict(shape, padded, on_gpu=False).kv_cache == per_elem_cells * 2 * 3 * 1024
+    mixed = EngineConfig(n_parallel=1, n_ctx=1024, type_k="f16", type_v="q8_0", flash_attn="on")
+    assert predict(shape, mixed, on_gpu=False).kv_cache == int(per_elem_cells / 2 * (2 + 34 / 32) * 1024)
+    assert shape.kv_bytes_per_token_f16 == per_elem_cells * 2
+
+
+def test_tied_output_layer_is_counted(shape: ModelShape) -> None:
+    """SmolLM2 has no output.weight: its output layer is token_embd, read in full for every token and
+    (with all layers offloaded) held on the GPU as well."""
+    tensors = _header(embedded_model_path())["tensors"]
+    assert "output.weight" not in tensors and shape.tied_embeddings
+    assert shape.weight_bytes == sum(tensors.values())
+    assert shape.token_embd_bytes == tensors["token_embd.weight"] > 0
+    assert shape.bytes_read_per_token == shape.weight_bytes
+    on_gpu = predict(shape, EngineConfig(n_parallel=1, n_ctx=1024), on_gpu=True)
+    assert on_gpu.weights == shape.weight_bytes
+    # a model with its own output.weight: the embedding is a lookup, neither streamed nor on the GPU
+    untied = dataclasses.replace(shape, tied_embeddings=False)
+    assert untied.bytes_read_per_token == shape.weight_bytes - shape.token_embd_bytes
+    assert predict(untied, EngineConfig(n_parallel=1, n_ctx=1024), on_gpu=True).weights == \
+        shape.weight_bytes - shape.token_embd_bytes
+    # partial offload scales with the layers on the GPU
+    half = predict(shape, EngineConfig(n_parallel=1, n_ctx=1024, n_gpu_layers=shape.n_layer // 2), on_gpu=True)
+    assert half.weights == pytest.approx(shape.weight_bytes / 2, rel=0.01)
+
+
+def test_compute_term_grows_without_flash_attention(shape: ModelShape) -> None:
+    on = predict(shape, EngineConfig(n_parallel=1, n_ctx=8192, flash_attn="on"), on_gpu=False)
+    off = predict(shape, EngineConfig(n_parallel=1, n_ctx=8192, flash_attn="off"), on_gpu=False)
+    assert off.compute > on.compute and off.kv_cache == on.kv_cache
+    assert predict(shape, EngineConfig(n_parallel=1, n_ctx=1024), on_gpu=True).overhead > on.overhead
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("32GiB") == 32 * GiB
+    assert parse_bytes("16 GB") == 16 * 10**9
+    assert parse_bytes("900MiB") == 900 * 2**20
+    assert parse_bytes("123456") == 123456
+    assert parse_bytes("1.5gib") == int(1.5 * GiB)
+    for bad in ("lots", "", "12 parsecs", "GiB", "0", "-1GiB", "inf", "nan", "1e999GiB"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+@pytest.mark.timeout(120)
+def test_measured_engine_memory_is_near_the_prediction(shape: ModelShape) -> None:
+    from serving.engine import Engine
+    from serving.sampling import SamplingParams
+    from tuning.device import rss_bytes
+
+    config = EngineConfig(n_parallel=1, n_ctx=1024, n_batch=256, n_ubatch=256)
+    predicted = predict(shape, config, on_gpu=False)
+    gc.collect()
+    before = rss_bytes()
+    engine = Engine(config)
+    try:
+        for _ in engine.submit(engine.tokenize_prompt("Hello, how are you today?"),
+                               SamplingParams(max_tokens=8, temperature=0.0)):
+            pass
+        grown = rss_bytes() - before
+    finally:
+        engine.close()
+    ratio = grown / predicted.total
+    print(f"RSS growth {grown / 2**20:.0f} MiB vs predicted {predicted.total / 2**20:.0f} MiB: {ratio:.2f}x")
+    assert 0.3 < ratio < 2.0
