@@ -317,6 +317,7 @@ def _study_has_trials(storage: Any, study_name: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.started_ray = False
     try:
         return run(args)
     except UserError as exc:
@@ -325,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; the study is saved and resumes with the same --study-name", file=sys.stderr)
         return 130
+    finally:
+        if args.started_ray:  # leave no Ray of ours behind (a caller's own Ray stays up)
+            import ray
+
+            ray.shutdown()
 
 
 if __name__ == "__main__":
