@@ -200,3 +200,29 @@ def test_api_key_is_enforced_when_set(ray_session: None, serve_url: str) -> None
         assert right.status_code == 200
     finally:
         serve.delete("auth")
+
+
+def test_full_queue_answers_503_and_the_app_keeps_serving(ray_session: None, serve_url: str) -> None:
+    """One slot, one request of headroom, one queued in Serve: the rest of a burst is turned away with 503."""
+    from ray import serve
+
+    from serving.app import main
+    from tests.conftest import wait_healthy
+
+    serve.run(main({"n_parallel": 1, "n_ctx": 1024, "control_headroom": 1, "max_queued_requests": 1,
+                    "cpus_per_replica": 0.5}), name="tiny", route_prefix="/tiny")
+    try:
+        wait_healthy(f"{serve_url}/tiny")
+        body = {"prompt": "Tell a story:", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=120) as ac:
+                rs = await asyncio.gather(*(ac.post(f"{serve_url}/tiny/v1/completions", json=body) for _ in range(8)))
+                return [r.status_code for r in rs]
+
+        codes = asyncio.run(burst())
+        assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 2
+        ok = httpx.post(f"{serve_url}/tiny/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+    finally:
+        serve.delete("tiny")
