@@ -130,11 +130,10 @@ class Scheduler:
                 return
             chunk = slot.pending[: batch.free]
             last = len(chunk) == len(slot.pending)
-            slot.logits_row = batch.add(chunk, len(slot.cache), slot.seq_id, last)
-            slot.cache.extend(chunk)  # positions advance now; rolled back by _fail if the decode fails
+            row = batch.add(chunk, len(slot.cache), slot.seq_id, last)
+            slot.logits_row = row if last else -1  # logits only once the whole prompt is in
+            slot.cache.extend(chunk)  # positions advance now; cleared by _decode if the decode fails
             del slot.pending[: len(chunk)]
-            if not last:
-                slot.logits_row = -1
             self.counters.prompt_tokens_evaluated += len(chunk)
 
     def _decode(self) -> None:
@@ -205,10 +204,8 @@ class Scheduler:
 
     def _pick_slot(self, free: list[Slot], prompt: list[int]) -> Slot:
         """The free slot sharing the longest cached prefix with `prompt`; else the least recently used."""
-        best = max(free, key=lambda s: (_common_prefix(s.cache, prompt), -s.last_used))
-        if _common_prefix(best.cache, prompt) > 0:
-            return best
-        return min(free, key=lambda s: s.last_used)
+        shared, best = max(((_common_prefix(s.cache, prompt), s) for s in free), key=lambda p: (p[0], -p[1].last_used))
+        return best if shared > 0 else min(free, key=lambda s: s.last_used)
 
     def _assign(self, slot: Slot, request: Request, handle: RequestHandle) -> None:
         prompt = request.prompt_tokens
@@ -247,8 +244,7 @@ class Scheduler:
             self.counters.requests_failed += 1
         else:
             self.counters.requests_finished += 1
-        if slot.pending:  # prefill never finished: those cells hold a partial prompt, still a valid prefix
-            slot.pending = []
+        slot.pending = []  # an unfinished prefill leaves a partial prompt cached: still a valid prefix
         if slot.sampler is not None:
             slot.sampler.free()
         slot.request = slot.handle = slot.sampler = slot.detok = None
