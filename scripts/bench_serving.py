@@ -480,7 +480,7 @@ class InProcessTarget:
 
     async def run_stream(self, prompt: str, max_tokens: int) -> StreamRecord:
         """Tokenize (inside the timed span, as a server would), submit, and timestamp every chunk."""
-        from serving.sampling import SamplingParams
+        from serving.request import SamplingParams
 
         record = StreamRecord(t_start=time.perf_counter())
         tokens = self._engine.tokenize_prompt(prompt)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serving.request import FINISH_CANCELLED, FINISH_ERROR, GenerationChunk, Usage
-from serving.sampling import SamplingParams
+from serving.request import SamplingParams
 
 MAX_STOP_STRINGS = 16
 

@@ -27,8 +27,9 @@ import numpy as np  # noqa: E402  (after libllama, see serving/llama.py)
 
 from serving.chat_template import ChatTemplate  # noqa: E402
 from serving.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
+from serving.errors import EngineError, PromptTooLongError  # noqa: E402,F401
 from serving.request import Request, RequestHandle  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
+from serving.request import SamplingParams  # noqa: E402
 from serving.scheduler import Scheduler  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -42,22 +43,6 @@ _FLASH_ATTN = {
     FlashAttn.on: ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
     FlashAttn.off: ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
-
-
-class EngineError(RuntimeError):
-    """The engine could not do what its config asks (load, context creation); the message says what to change."""
-
-
-class PromptTooLongError(ValueError):
-    """A prompt (plus what it asks to generate) does not fit one slot's context."""
-
-    def __init__(self, n_prompt: int, n_requested: int, n_ctx_slot: int) -> None:
-        self.n_prompt, self.n_requested, self.n_ctx_slot = n_prompt, n_requested, n_ctx_slot
-        super().__init__(
-            f"This model's maximum context length per slot is {n_ctx_slot} tokens. However, you requested "
-            f"{n_prompt + n_requested} tokens ({n_prompt} in the prompt, {n_requested} for the completion). "
-            "Shorten the prompt or max_tokens, or serve with a larger n_ctx (or fewer n_parallel slots)."
-        )
 
 
 def default_threads() -> int:

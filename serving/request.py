@@ -1,4 +1,5 @@
-"""A request as the engine sees it, and the handle its caller reads the output from.
+"""A request as the engine sees it, and the handle its caller reads the output from. Pure data and queues:
+no libllama, no Ray, so the API layer and the tests import it freely.
 
 The engine's step thread pushes chunks; the caller reads them either from asyncio (the HTTP routes) or
 from a plain thread (benchmarks, the tuner). Cancelling marks the request; the scheduler frees its slot at
@@ -12,13 +13,52 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
-from serving.sampling import SamplingParams
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_CANCELLED = "cancelled"
-FINISH_ERROR = "error"
+class FinishReason(str, Enum):
+    """Why a request ended. `stop` and `length` are OpenAI's; the other two never reach a client as such."""
+
+    stop = "stop"  # end-of-generation token or a stop string
+    length = "length"  # max_tokens, or the slot's context is full
+    cancelled = "cancelled"  # the caller cancelled (a client went away)
+    error = "error"  # this request failed; `GenerationChunk.error` says why
+
+
+# Transitional names for code not yet moved to FinishReason.
+FINISH_STOP, FINISH_LENGTH = FinishReason.stop, FinishReason.length
+FINISH_CANCELLED, FINISH_ERROR = FinishReason.cancelled, FinishReason.error
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks of the sampler and of generation.
+
+    `max_tokens=None` means "until the slot's context is full". Values are validated by the API layer
+    (serving/api.py); the engine trusts them.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing that needs llama.cpp's sampler state: argmax of the logits is the answer."""
+        return self.temperature <= 0.0 and not self.has_penalties
 
 
 @dataclass
@@ -41,11 +81,14 @@ class Usage:
 
 @dataclass
 class GenerationChunk:
-    """New output of one request. `finish_reason` is set on the last chunk, and `usage` with it."""
+    """New output of one request. `finish_reason` is set on the last chunk, and `usage` with it.
+
+    `error` (with `finish_reason=error`) is a message safe to show a client; details go to the log.
+    """
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
 
@@ -62,7 +105,10 @@ class GenerationChunk:
 
 @dataclass
 class Request:
-    """One generation request: prompt tokens, sampling parameters, and its lifecycle flags."""
+    """One generation request: prompt tokens, sampling parameters, and its cancellation flag.
+
+    `cancelled` is the one field another thread writes (a plain bool store); the step thread reads it.
+    """
 
     id: int
     prompt_tokens: list[int]
@@ -90,11 +136,19 @@ class RequestHandle:
             self._loop, self._ready = None, None
 
     # -- engine side ---------------------------------------------------------------------------------
-    def push(self, chunk: GenerationChunk) -> None:
-        """Called from the engine thread."""
+    def push(self, chunk: GenerationChunk) -> bool:
+        """Called from the engine thread. False when the reader's event loop is gone: nobody will read on.
+
+        The loop can close between any check and the call, so the call itself is what is guarded.
+        """
         self._chunks.put(chunk)
-        if self._loop is not None and not self._loop.is_closed():
+        if self._loop is None or self._ready is None:
+            return True
+        try:
             self._loop.call_soon_threadsafe(self._ready.set)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
 
     # -- caller side ---------------------------------------------------------------------------------
     def cancel(self) -> None:

@@ -10,40 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import random
-from dataclasses import dataclass, field
 
 from serving.llama import llama_cpp as ll
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What one request asks of the sampler and of generation.
-
-    `max_tokens=None` means "until the slot's context is full". Values are validated by the API layer
-    (serving/api.py); the engine trusts them.
-    """
-
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    penalty_last_n: int = 64
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        """Greedy with nothing that needs llama.cpp's sampler state: argmax of the logits is the answer."""
-        return self.temperature <= 0.0 and not self.has_penalties
+from serving.request import SamplingParams
 
 
 class SamplerChain:

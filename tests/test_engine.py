@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from serving.engine import Engine, PromptTooLongError
-from serving.sampling import SamplingParams
+from serving.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 PROMPTS = [

@@ -410,7 +410,7 @@ def test_parse_bytes() -> None:
 @pytest.mark.timeout(120)
 def test_measured_engine_memory_is_near_the_prediction(shape: ModelShape) -> None:
     from serving.engine import Engine
-    from serving.sampling import SamplingParams
+    from serving.request import SamplingParams
     from tuning.device import rss_bytes
 
     config = EngineConfig(n_parallel=1, n_ctx=1024, n_batch=256, n_ubatch=256)

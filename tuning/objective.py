@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from serving.engine import Engine
-from serving.sampling import SamplingParams
+from serving.request import SamplingParams
 
 PROMPT = (
     "Request {n}. Write a detailed, practical guide to maintaining a small vegetable garden through the "

@@ -1,0 +1,40 @@
+"""Errors the engine raises to its callers; each message says what the caller can change.
+
+Pure data (no libllama, no Ray), so the HTTP layer and the tuner can catch them without loading anything.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(RuntimeError):
+    """The engine could not do what its config asks (load, context creation); the message says what to change."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt (plus what it asks to generate) does not fit one slot's context."""
+
+    def __init__(self, n_prompt: int, n_requested: int, n_ctx_slot: int) -> None:
+        self.n_prompt, self.n_requested, self.n_ctx_slot = n_prompt, n_requested, n_ctx_slot
+        super().__init__(
+            f"This model's maximum context length per slot is {n_ctx_slot} tokens. However, you requested "
+            f"{n_prompt + n_requested} tokens ({n_prompt} in the prompt, {n_requested} for the completion). "
+            "Shorten the prompt or max_tokens, or serve with a larger n_ctx (or fewer n_parallel slots)."
+        )
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is at its bound: the caller should answer 503 and ask to retry later.
+
+    `retry_after_s` is an estimate from the queue's length and the engine's recent request rate, rounded up
+    to whole seconds (HTTP's Retry-After), never below 1.
+    """
+
+    def __init__(self, queued: int, limit: int, retry_after_s: int) -> None:
+        self.queued, self.limit, self.retry_after_s = queued, limit, retry_after_s
+        super().__init__(
+            f"the server is at capacity ({queued} requests waiting, limit {limit}); retry in {retry_after_s} s"
+        )
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down or its step thread has stopped; no new request can be taken."""
