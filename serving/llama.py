@@ -1,31 +1,55 @@
-"""The one place that loads libllama, so the load order is safe wherever the engine runs.
+"""The only room that touches libllama through ctypes: load order, model, context, batch, sampler chain.
 
-Measured on the H200 machine (2026-12-02, CUDA build of llama.cpp 0c1e570): importing `ray` AFTER
-libllama.so was loaded aborts the process ("free(): invalid pointer") when ray loads its _raylet.so with
-RTLD_GLOBAL; ray first, then libllama, works. Loading a 152k-vocabulary model with numpy imported before
-libllama (a crash reported in shared/device-notes.md) did not crash in the same session, inside a Ray task.
-So this module imports ray before llama_cpp, every module of ours that needs llama.cpp imports it from
-here. `numpy_was_first` is kept for diagnosis.
+Every binding call here was checked against the vendored llama.h of the pinned llama-cpp-python (0.3.36,
+llama.cpp 0c1e570): argument count, order and types. That header differs from older llama.cpp in places
+(e.g. `llama_sampler_init_penalties` takes `n_vocab` first), so check there, not against memory.
+
+Load order, measured on the H200 machine (2026-12-02, CUDA build): importing `ray` AFTER libllama.so was
+loaded aborts the process ("free(): invalid pointer") when ray loads its _raylet.so with RTLD_GLOBAL; ray
+first, then libllama, works. A numpy-before-libllama crash reported in shared/device-notes.md did not
+reproduce in the same session. So this module imports ray before llama_cpp, and every module of ours that
+needs llama.cpp goes through here. `numpy_was_first` is kept for diagnosis.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import random
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 numpy_was_first = "numpy" in sys.modules
 
 import ray  # noqa: E402,F401  (ray's _raylet.so must load before libllama: see above)
-import llama_cpp.llama_cpp as llama_cpp  # noqa: E402
+import llama_cpp.llama_cpp as ll  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from serving.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
+from serving.errors import EngineError  # noqa: E402
+from serving.request import SamplingParams  # noqa: E402
+
+llama_cpp = ll  # the bindings module, for the few callers outside serving/ that need a constant
 
 _log = logging.getLogger("llama.cpp")
 
 # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 
+_GGML_TYPES = {  # enum ggml_type in ggml.h
+    CacheType.f32: 0, CacheType.f16: 1, CacheType.bf16: 30, CacheType.q8_0: 8, CacheType.q4_0: 2,
+    CacheType.q4_1: 3, CacheType.q5_0: 6, CacheType.q5_1: 7, CacheType.iq4_nl: 20,
+}
+_FLASH_ATTN = {
+    FlashAttn.auto: ll.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    FlashAttn.on: ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    FlashAttn.off: ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
 
-@llama_cpp.llama_log_callback
+
+@ll.llama_log_callback
 def _route_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     """Send llama.cpp's log lines to Python logging (its INFO chatter becomes DEBUG)."""
     py_level = _LEVELS.get(level, logging.DEBUG)
@@ -35,7 +59,262 @@ def _route_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         _log.log(py_level, text.decode("utf-8", "replace").rstrip())
 
 
-llama_cpp.llama_log_set(_route_log, ctypes.c_void_p())
-llama_cpp.llama_backend_init()
+ll.llama_log_set(_route_log, ctypes.c_void_p())
+ll.llama_backend_init()
 
-__all__ = ["llama_cpp", "numpy_was_first"]
+
+class LlamaModel:
+    """Weights and vocabulary of one GGUF file, loaded once; thread-safe to tokenise from any thread.
+
+    `extra_bufts` is llama_model_params.use_extra_bufts: CPU weight repacking (and the AMX path on Intel);
+    off is llama-server's --no-repack. serving/repack.py decides it, because on some CPUs that path faults.
+    """
+
+    def __init__(self, path: Path, n_gpu_layers: int, extra_bufts: bool = True) -> None:
+        if not path.is_file():
+            raise EngineError(f"model file {path} does not exist: set `model:` to a GGUF file")
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = extra_bufts
+        self.path = path
+        self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            hint = " (numpy was imported before libllama: see serving/llama.py)" if numpy_was_first else ""
+            raise EngineError(f"llama.cpp could not load {path}: is it a GGUF file this llama.cpp reads?{hint}")
+        self.vocab = ll.llama_model_get_vocab(self.ptr)
+        self.n_vocab: int = ll.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train: int = ll.llama_model_n_ctx_train(self.ptr)
+        self.size_bytes: int = ll.llama_model_size(self.ptr)
+        self.bos_text = self.token_text(ll.llama_vocab_bos(self.vocab))
+        self.eos_text = self.token_text(ll.llama_vocab_eos(self.vocab))
+        self._pieces: dict[int, bytes] = {}
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):  # long value (chat templates can be): ask again with room for all of it
+            buf = ctypes.create_string_buffer(n + 1)
+            ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Tokenise as llama-server does for a prompt (BOS where the vocabulary wants one, specials parsed)."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's raw bytes (may be part of a UTF-8 character); control tokens render as nothing."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._piece(token, special=False)
+            self._pieces[token] = piece
+        return piece
+
+    def token_text(self, token: int) -> str:
+        return self._piece(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+
+    def free(self) -> None:
+        if self.ptr:
+            ll.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class Batch:
+    """A llama_batch whose arrays are numpy buffers, so filling a prompt chunk is a slice copy, not a loop."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.tokens = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq_id = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        base = self.seq_id.ctypes.data
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        self._seq_ptrs = (i32p * capacity)(*(ctypes.cast(base + 4 * i, i32p) for i in range(capacity)))
+        self.struct = ll.llama_batch(
+            n_tokens=0,
+            token=self.tokens.ctypes.data_as(i32p),
+            embd=None,
+            pos=self.pos.ctypes.data_as(i32p),
+            n_seq_id=self.n_seq_id.ctypes.data_as(i32p),
+            seq_id=self._seq_ptrs,
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, tokens: Sequence[int], start_pos: int, seq_id: int, logits_for_last: bool,
+            logits_for_all: bool = False) -> int:
+        """Append tokens of one sequence; return the batch row of the last one (where its logits land)."""
+        i, k = self.n, len(tokens)
+        self.tokens[i : i + k] = tokens
+        self.pos[i : i + k] = np.arange(start_pos, start_pos + k, dtype=np.int32)
+        self.seq_id[i : i + k] = seq_id
+        self.logits[i : i + k] = 1 if logits_for_all else 0
+        self.logits[i + k - 1] = 1 if logits_for_last or logits_for_all else 0
+        self.n += k
+        return i + k - 1
+
+
+class SamplerChain:
+    """One llama.cpp sampler chain for one request, in llama-server's order (penalties -> top-k -> top-p ->
+    min-p -> temperature -> dist), so a request gives the same distribution here as there. Freed when the
+    request leaves its slot."""
+
+    def __init__(self, ctx: LlamaContext, params: SamplingParams, default_seed: int) -> None:
+        self._ctx = ctx
+        self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        for sampler in _samplers_for(params, default_seed, ctx.n_vocab):
+            ll.llama_sampler_chain_add(self._ptr, sampler)  # the chain takes ownership
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Feed tokens to the chain's history (the penalty sampler's window), as llama-server does."""
+        for token in tokens:
+            ll.llama_sampler_accept(self._ptr, token)
+
+    def sample(self, row: int) -> int:
+        """Sample (and accept) the next token from the logits of batch row `row`."""
+        return int(ll.llama_sampler_sample(self._ptr, self._ctx.ptr, row))
+
+    def free(self) -> None:
+        if self._ptr is not None:
+            ll.llama_sampler_free(self._ptr)
+            self._ptr = None
+
+
+def _samplers_for(params: SamplingParams, default_seed: int, n_vocab: int) -> list[ll.llama_sampler_p]:
+    samplers = []
+    if params.has_penalties:
+        samplers.append(ll.llama_sampler_init_penalties(
+            n_vocab, params.penalty_last_n, params.repeat_penalty, params.frequency_penalty,
+            params.presence_penalty))
+    if params.temperature <= 0.0:
+        samplers.append(ll.llama_sampler_init_greedy())
+        return samplers
+    if params.top_k > 0:
+        samplers.append(ll.llama_sampler_init_top_k(params.top_k))
+    if params.top_p < 1.0:
+        samplers.append(ll.llama_sampler_init_top_p(params.top_p, 1))
+    if params.min_p > 0.0:
+        samplers.append(ll.llama_sampler_init_min_p(params.min_p, 1))
+    samplers.append(ll.llama_sampler_init_temp(params.temperature))
+    samplers.append(ll.llama_sampler_init_dist(_seed(params.seed, default_seed)))
+    return samplers
+
+
+def _seed(request_seed: int | None, default_seed: int) -> int:
+    """A request's seed, else the engine's default, else a fresh random one (llama.cpp wants uint32)."""
+    if request_seed is not None:
+        return request_seed & 0xFFFFFFFF
+    if default_seed >= 0:
+        return default_seed & 0xFFFFFFFF
+    return random.getrandbits(32)
+
+
+class LlamaContext:
+    """One llama.cpp context: the K/V cache for `n_parallel` sequences and the compute buffers.
+
+    Implements serving.scheduler.ModelContext, the small surface the scheduler steps through.
+    """
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, n_threads: int) -> None:
+        params = ll.llama_context_default_params()
+        params.n_ctx = config.n_ctx
+        params.n_batch = config.n_batch
+        params.n_ubatch = config.n_ubatch
+        params.n_seq_max = config.n_parallel
+        params.n_threads = config.n_threads or n_threads
+        params.n_threads_batch = config.n_threads_batch or params.n_threads
+        params.type_k = _GGML_TYPES[config.type_k]
+        params.type_v = _GGML_TYPES[config.type_v]
+        params.flash_attn_type = _FLASH_ATTN[config.flash_attn]
+        params.kv_unified = False  # each slot owns n_ctx / n_parallel cells and attends over only those
+        params.no_perf = True
+        self.model = model
+        self.ptr = ll.llama_init_from_model(model.ptr, params)
+        if not self.ptr:
+            raise EngineError(
+                f"llama.cpp could not create a context with n_ctx={config.n_ctx}, n_parallel={config.n_parallel}, "
+                f"n_batch={config.n_batch}, n_ubatch={config.n_ubatch}, type_k={config.type_k.value}, "
+                f"type_v={config.type_v.value}, flash_attn={config.flash_attn.value}: lower n_ctx or n_batch "
+                "(out of memory?), or use an f16 V cache if flash attention is unavailable here"
+            )
+        self.memory = ll.llama_get_memory(self.ptr)
+        self.n_ctx_seq: int = ll.llama_n_ctx_seq(self.ptr)
+        self.n_vocab = model.n_vocab
+        self.batch = Batch(config.n_batch)
+
+    # -- the scheduler's ModelContext ----------------------------------------------------------------
+    @property
+    def batch_capacity(self) -> int:
+        return self.batch.capacity
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch.n
+
+    def clear_batch(self) -> None:
+        self.batch.clear()
+
+    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool) -> int:
+        return self.batch.add(tokens, start_pos, seq_id, want_logits)
+
+    def decode(self) -> int:
+        """Run the current batch through the model (the ctypes call releases the GIL while llama.cpp works)."""
+        self.batch.struct.n_tokens = self.batch.n
+        return int(ll.llama_decode(self.ptr, self.batch.struct))
+
+    def greedy(self, row: int) -> int:
+        return int(self.logits(row).argmax())
+
+    def new_sampler(self, params: SamplingParams, default_seed: int) -> SamplerChain:
+        return SamplerChain(self, params, default_seed)
+
+    def forget(self, seq_id: int, from_pos: int = 0) -> None:
+        """Drop a slot's cached tokens from position `from_pos` on (nothing to drop once freed)."""
+        if self.ptr:
+            ll.llama_memory_seq_rm(self.memory, seq_id, from_pos, -1)
+
+    def is_eog(self, token: int) -> bool:
+        return self.model.is_eog(token)
+
+    # -- for scoring ---------------------------------------------------------------------------------
+    def logits(self, row: int) -> np.ndarray:
+        """The logits of batch row `row` as a numpy view (no copy)."""
+        ptr = ll.llama_get_logits_ith(self.ptr, row)
+        if not ptr:
+            raise EngineError(f"llama.cpp has no logits for batch row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def all_logits(self, n_rows: int) -> np.ndarray:
+        """Logits of the last decode's first `n_rows` output rows, as an (n_rows, n_vocab) view."""
+        ptr = ll.llama_get_logits(self.ptr)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+
+    def free(self) -> None:
+        if self.ptr:
+            ll.llama_free(self.ptr)
+            self.ptr = None

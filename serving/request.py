@@ -25,11 +25,6 @@ class FinishReason(str, Enum):
     error = "error"  # this request failed; `GenerationChunk.error` says why
 
 
-# Transitional names for code not yet moved to FinishReason.
-FINISH_STOP, FINISH_LENGTH = FinishReason.stop, FinishReason.length
-FINISH_CANCELLED, FINISH_ERROR = FinishReason.cancelled, FinishReason.error
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks of the sampler and of generation.
@@ -166,7 +161,11 @@ class RequestHandle:
     def __next__(self) -> GenerationChunk:
         if self._done:
             raise StopIteration
-        chunk = self._chunks.get()
+        return self.get()
+
+    def get(self, timeout: float | None = None) -> GenerationChunk:
+        """The next chunk, blocking (raises queue.Empty after `timeout` seconds): for threads, not loops."""
+        chunk = self._chunks.get(timeout=timeout)
         self._done = chunk.finish_reason is not None
         return chunk
 

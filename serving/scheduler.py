@@ -1,4 +1,4 @@
-"""Slots, admission, and the step loop: one llama_decode per step for every busy slot.
+"""Slots, admission, and the step: one llama_decode per step for every busy slot.
 
 Like llama-server's update_slots(): each step first gives every generating slot its one next token, then
 fills what is left of the batch (n_batch tokens) with chunks of pending prompts, decodes once, and samples
@@ -7,28 +7,88 @@ one token for every slot whose last batch row produced logits. Requests join and
 A slot keeps the tokens of its last request in the K/V cache after it finishes; a new request goes to the
 free slot whose cache shares the longest prefix with its prompt, and only the rest is prefilled. This is
 what makes a follow-up chat turn cheap.
+
+The scheduler never touches text, handles or threads (vLLM v1's split): it reaches llama.cpp only through
+the small `ModelContext` protocol, and reports each step as a list of typed `RequestOutput`s that the
+output processor (serving/output.py) turns into text for the callers. So everything here runs against a
+fake context in milliseconds (tests/test_scheduler.py). The engine's step thread is its only caller.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import Protocol
 
-from serving.detok import IncrementalDetokenizer
-from serving.request import (
-    FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationChunk, Request, RequestHandle, Usage,
-)
-from serving.sampling import SamplerChain
-
-if TYPE_CHECKING:
-    from serving.config import EngineConfig
-    from serving.engine import LlamaContext, LlamaModel
+from serving.request import FinishReason, Request, SamplingParams, Usage
 
 log = logging.getLogger(__name__)
+
+# Messages a client may see (details go to the log).
+DECODE_FAILED = "the model failed to evaluate this request's batch (llama_decode error {rc}); retry it"
+SAMPLER_FAILED = "sampling the next token failed for this request"
+NO_LONGER_FITS = ("the prompt ({n} tokens) no longer fits a slot ({slot} tokens) after a configuration change: "
+                  "shorten it or ask the operator for a larger context")
+
+
+class TokenSampler(Protocol):
+    """One request's sampler (a llama.cpp sampler chain in production)."""
+
+    def accept(self, tokens: Sequence[int]) -> None: ...
+
+    def sample(self, row: int) -> int: ...
+
+    def free(self) -> None: ...
+
+
+class ModelContext(Protocol):
+    """What the scheduler needs of a llama.cpp context: one batch, one decode, per-sequence cache trims."""
+
+    n_ctx_seq: int
+
+    @property
+    def batch_capacity(self) -> int: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    def clear_batch(self) -> None: ...
+
+    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool) -> int: ...
+
+    def decode(self) -> int: ...
+
+    def greedy(self, row: int) -> int: ...
+
+    def new_sampler(self, params: SamplingParams, default_seed: int) -> TokenSampler: ...
+
+    def forget(self, seq_id: int, from_pos: int = 0) -> None: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+
+class SlotState(str, Enum):
+    idle = "idle"
+    prefill = "prefill"
+    generate = "generate"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step did for one request: a new token, an end, or both (the last token of `length`).
+
+    `usage` is the request's own record (final once `finish` is set).
+    """
+
+    request: Request
+    usage: Usage
+    token: int | None = None
+    finish: FinishReason | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -38,9 +98,7 @@ class Slot:
     seq_id: int
     cache: list[int] = field(default_factory=list)
     request: Request | None = None
-    handle: RequestHandle | None = None
-    sampler: SamplerChain | None = None
-    detok: IncrementalDetokenizer | None = None
+    sampler: TokenSampler | None = None
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet decoded
     next_token: int | None = None  # sampled, to be decoded next step
     logits_row: int = -1  # batch row holding this slot's logits after the current decode
@@ -50,14 +108,10 @@ class Slot:
     last_used: float = 0.0
 
     @property
-    def busy(self) -> bool:
-        return self.request is not None
-
-    @property
-    def state(self) -> str:
-        if not self.busy:
-            return "idle"
-        return "prefill" if self.pending else "generate"
+    def state(self) -> SlotState:
+        if self.request is None:
+            return SlotState.idle
+        return SlotState.prefill if self.pending else SlotState.generate
 
 
 @dataclass
@@ -72,240 +126,279 @@ class Counters:
     prompt_tokens_cached: int = 0
     generated_tokens: int = 0
     decode_calls: int = 0
+    decode_failures: int = 0
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """One slot as /slots shows it (llama-server's fields where they exist)."""
+
+    id: int
+    state: SlotState
+    n_cached: int
+    request_id: int | None
+    n_prompt: int
+    n_generated: int
 
 
 class Scheduler:
-    """Owned by the engine's step thread; `enqueue` and `snapshot` are the only calls from other threads."""
+    """Owned by the engine's step thread: nothing here is called from any other thread but `snapshot`."""
 
-    def __init__(self, model: LlamaModel, ctx: LlamaContext, config: EngineConfig) -> None:
-        self._waiting: collections.deque[tuple[Request, RequestHandle]] = collections.deque()
-        self._lock = threading.Lock()  # guards _waiting against enqueue from other threads
-        self._admitting = True
+    def __init__(self, ctx: ModelContext, n_parallel: int, default_seed: int) -> None:
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.admitting = True  # the engine pauses admission while a command waits for the slots to drain
         self.counters = Counters()
-        self.rebind(model, ctx, config)
+        self.requests_per_s = 0.0  # recent finish rate (EMA), for Retry-After estimates
+        self._last_finish = 0.0
+        self._in_batch: set[int] = set()  # seq ids with rows in the batch being decoded
+        self.rebind(ctx, n_parallel, default_seed)
 
-    # -- control -------------------------------------------------------------------------------------
-    def rebind(self, model: LlamaModel, ctx: LlamaContext, config: EngineConfig) -> None:
-        """Use a (new) model/context; all slots start empty. Only called while no slot is busy."""
-        self._model, self._ctx, self._config = model, ctx, config
-        self.slots = [Slot(seq_id=i) for i in range(config.n_parallel)]
-        self._is_eog = model.is_eog
+    def rebind(self, ctx: ModelContext, n_parallel: int, default_seed: int) -> None:
+        """Use a (new) context; all slots start empty. Only called while no slot is busy."""
+        self._ctx, self._seed = ctx, default_seed
+        self.slots = [Slot(seq_id=i) for i in range(n_parallel)]
 
-    def enqueue(self, request: Request, handle: RequestHandle) -> None:
-        with self._lock:
-            self._waiting.append((request, handle))
-
-    def pause_admission(self) -> None:
-        self._admitting = False
-
-    def resume_admission(self) -> None:
-        self._admitting = True
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
 
     @property
     def drained(self) -> bool:
-        return not any(slot.busy for slot in self.slots)
+        return all(slot.request is None for slot in self.slots)
+
+    @property
+    def n_ctx_seq(self) -> int:
+        return self._ctx.n_ctx_seq
 
     # -- the step ------------------------------------------------------------------------------------
-    def step(self) -> bool:
-        """One engine step. Returns False when there was nothing to decode."""
-        self._drop_cancelled()
-        if self._admitting:
-            self._admit()
-        batch = self._ctx.batch
-        batch.clear()
+    def step(self) -> tuple[list[RequestOutput], bool]:
+        """One engine step: (what happened to each request, whether a decode ran)."""
+        outputs = self._drop_cancelled()
+        if self.admitting:
+            outputs += self._admit()
+        ctx = self._ctx
+        ctx.clear_batch()
+        self._in_batch = {s.seq_id for s in self.slots if s.next_token is not None}
         for slot in self.slots:
             if slot.next_token is not None:
-                slot.logits_row = batch.add([slot.next_token], len(slot.cache), slot.seq_id, True)
+                slot.logits_row = ctx.add_to_batch([slot.next_token], len(slot.cache), slot.seq_id, True)
         self._add_prompt_chunks()
-        if batch.n == 0:
-            return False
-        self._decode()
-        self._sample()
-        return True
+        if ctx.batch_size == 0:
+            return outputs, False
+        if self._decode(outputs):
+            self._sample(outputs)
+        return outputs, True
 
     def _add_prompt_chunks(self) -> None:
-        batch = self._ctx.batch
-        for slot in sorted((s for s in self.slots if s.pending), key=lambda s: s.request.arrival):
-            if batch.free == 0:
+        ctx = self._ctx
+        prefilling = sorted((s for s in self.slots if s.pending and s.request), key=lambda s: s.request.arrival)
+        for slot in prefilling:
+            room = ctx.batch_capacity - ctx.batch_size
+            if room == 0:
                 return
-            chunk = slot.pending[: batch.free]
+            chunk = slot.pending[:room]
             last = len(chunk) == len(slot.pending)
-            row = batch.add(chunk, len(slot.cache), slot.seq_id, last)
+            row = ctx.add_to_batch(chunk, len(slot.cache), slot.seq_id, last)
+            self._in_batch.add(slot.seq_id)
             slot.logits_row = row if last else -1  # logits only once the whole prompt is in
             slot.cache.extend(chunk)  # positions advance now; cleared by _decode if the decode fails
             del slot.pending[: len(chunk)]
             self.counters.prompt_tokens_evaluated += len(chunk)
 
-    def _decode(self) -> None:
+    def _decode(self, outputs: list[RequestOutput]) -> bool:
+        """Decode the batch. On failure only the requests with rows in this batch fail.
+
+        Not retried, unlike llama-server's retry of ret == 1 with a smaller batch: there, 1 means the
+        unified cache had no room for the batch; here every slot owns n_ctx_seq cells of its own and
+        admission keeps prompt + generation inside them, so 1 means our accounting is wrong, and a retry
+        would hide that. Negative codes are llama.cpp's fatal errors, 2 an abort (we set no abort
+        callback). Ubatches processed before a failure stay in the cache, so those slots' caches are
+        dropped entirely: the next request on them prefills from scratch, never from half-written cells.
+        """
         for slot in self.slots:
             if slot.next_token is not None:
                 slot.cache.append(slot.next_token)
                 slot.next_token = None
         rc = self._ctx.decode()
         self.counters.decode_calls += 1
-        if rc != 0:
-            in_batch = {int(s) for s in self._ctx.batch.seq_id[: self._ctx.batch.n]}
-            for slot in self.slots:
-                if slot.seq_id in in_batch and slot.busy:
-                    self._finish(slot, FINISH_ERROR, error=f"llama_decode failed (code {rc})")
-                    self._ctx.forget(slot.seq_id)
-                    slot.cache.clear()
+        if rc == 0:
+            return True
+        self.counters.decode_failures += 1
+        log.error("llama_decode returned %d for a batch of %d tokens", rc, self._ctx.batch_size)
+        for slot in self.slots:
+            if slot.seq_id in self._in_batch:
+                if slot.request is not None:
+                    outputs.append(self._end(slot, FinishReason.error, DECODE_FAILED.format(rc=rc)))
+                self._ctx.forget(slot.seq_id)
+                slot.cache.clear()
+        return False
 
-    def _sample(self) -> None:
+    def _sample(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         for slot in self.slots:
-            if slot.logits_row < 0 or not slot.busy:
+            if slot.logits_row < 0 or slot.request is None:
                 continue
             row, slot.logits_row = slot.logits_row, -1
-            if slot.sampler is None:
-                token = int(self._ctx.logits(row).argmax())
-            else:
-                token = slot.sampler.sample(self._ctx.ptr, row)
-            self._on_token(slot, token, now)
+            try:
+                token = self._ctx.greedy(row) if slot.sampler is None else slot.sampler.sample(row)
+            except Exception:  # one request's sampler: that request fails, its neighbours go on
+                log.exception("sampling failed for request %d", slot.request.id)
+                outputs.append(self._end(slot, FinishReason.error, SAMPLER_FAILED))
+                continue
+            outputs.append(self._on_token(slot, token, now))
 
-    def _on_token(self, slot: Slot, token: int, now: float) -> None:
-        usage = slot.usage
-        if usage.completion_tokens == 0:
+    def _on_token(self, slot: Slot, token: int, now: float) -> RequestOutput:
+        request, usage = slot.request, slot.usage
+        assert request is not None
+        if usage.ttft_s is None:
             slot.t_first = now
-            usage.ttft_s = now - slot.request.arrival
-        if self._is_eog(token) and not slot.request.params.ignore_eos:
-            self._finish(slot, FINISH_STOP)
-            return
+            usage.ttft_s = now - request.arrival
+        if self._ctx.is_eog(token) and not request.params.ignore_eos:
+            return self._end(slot, FinishReason.stop)
         usage.completion_tokens += 1
         usage.decode_s = now - slot.t_first
         self.counters.generated_tokens += 1
-        text, hit_stop = slot.detok.add(token)
-        if hit_stop:
-            self._finish(slot, FINISH_STOP, text=text, token=token)
-        elif usage.completion_tokens >= slot.limit:
-            self._finish(slot, FINISH_LENGTH, text=text + slot.detok.finish(), token=token)
-        else:
-            slot.handle.push(GenerationChunk(text=text, token_ids=[token]))
-            slot.next_token = token
+        if usage.completion_tokens >= slot.limit:
+            return self._end(slot, FinishReason.length, token=token)
+        slot.next_token = token
+        return RequestOutput(request, usage, token=token)
 
     # -- admission -----------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        while True:
-            free = [s for s in self.slots if not s.busy]
-            if not free:
-                return
-            with self._lock:
-                if not self._waiting:
-                    return
-                request, handle = self._waiting.popleft()
-            if len(request.prompt_tokens) >= self._ctx.n_ctx_seq:  # queued before a reconfigure shrank slots
-                handle.push(GenerationChunk(
-                    finish_reason=FINISH_ERROR, usage=Usage(len(request.prompt_tokens)),
-                    error=f"the prompt ({len(request.prompt_tokens)} tokens) no longer fits a slot "
-                          f"({self._ctx.n_ctx_seq} tokens) after a configuration change"))
+    def _admit(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        free = [s for s in self.slots if s.request is None]
+        while free and self.waiting:
+            request = self.waiting.popleft()
+            n_prompt = len(request.prompt_tokens)
+            if n_prompt + 1 > self._ctx.n_ctx_seq:  # queued before a reconfigure shrank the slots
                 self.counters.requests_failed += 1
+                outputs.append(RequestOutput(request, Usage(n_prompt), finish=FinishReason.error,
+                                             error=NO_LONGER_FITS.format(n=n_prompt, slot=self._ctx.n_ctx_seq)))
                 continue
-            self._assign(self._pick_slot(free, request.prompt_tokens), request, handle)
+            slot, shared = self._pick_slot(free, request.prompt_tokens)
+            free.remove(slot)
+            try:
+                self._assign(slot, request, shared)
+            except Exception:  # e.g. its sampler chain could not be built: only this request fails
+                log.exception("could not start request %d", request.id)
+                outputs.append(self._end(slot, FinishReason.error, SAMPLER_FAILED))
+                free.append(slot)
+        return outputs
 
-    def _pick_slot(self, free: list[Slot], prompt: list[int]) -> Slot:
-        """The free slot sharing the longest cached prefix with `prompt`; else the least recently used."""
-        shared, best = max(((_common_prefix(s.cache, prompt), s) for s in free), key=lambda p: (p[0], -p[1].last_used))
-        return best if shared > 0 else min(free, key=lambda s: s.last_used)
+    def _pick_slot(self, free: list[Slot], prompt: list[int]) -> tuple[Slot, int]:
+        """The free slot sharing the longest cached prefix with `prompt` (ties and no match: least recently
+        used), and that prefix's length."""
+        scored = [(_common_prefix(s.cache, prompt), s) for s in free]
+        shared, best = max(scored, key=lambda p: (p[0], -p[1].last_used))
+        if shared == 0:
+            best = min(free, key=lambda s: s.last_used)
+        return best, shared
 
-    def _assign(self, slot: Slot, request: Request, handle: RequestHandle) -> None:
+    def _assign(self, slot: Slot, request: Request, shared: int) -> None:
         prompt = request.prompt_tokens
-        reuse = min(_common_prefix(slot.cache, prompt), len(prompt) - 1)  # decode >= 1 token for logits
+        reuse = min(shared, len(prompt) - 1)  # decode >= 1 token so the prompt's last logits exist
         self._ctx.forget(slot.seq_id, reuse)
         del slot.cache[reuse:]
         params = request.params
-        slot.request, slot.handle = request, handle
+        slot.request = request
         slot.pending = prompt[reuse:]
-        slot.next_token = None
+        slot.next_token, slot.logits_row = None, -1
         slot.usage = Usage(prompt_tokens=len(prompt), cached_tokens=reuse)
         room = self._ctx.n_ctx_seq - len(prompt)
         slot.limit = min(params.max_tokens, room) if params.max_tokens else room
-        slot.detok = IncrementalDetokenizer(self._model.token_bytes, params.stop)
         slot.sampler = None
-        if not params.is_plain_greedy:
-            slot.sampler = SamplerChain(params, self._config.seed)
-            if params.has_penalties:
-                slot.sampler.accept_prompt(prompt, params.penalty_last_n)
         self.counters.prompt_tokens += len(prompt)
         self.counters.prompt_tokens_cached += reuse
+        if not params.is_plain_greedy:
+            slot.sampler = self._ctx.new_sampler(params, self._seed)
+            if params.has_penalties:  # penalties see the prompt's tail, as in llama-server
+                last_n = params.penalty_last_n
+                slot.sampler.accept(prompt[-last_n:] if last_n > 0 else prompt)
 
     # -- leaving -------------------------------------------------------------------------------------
-    def _finish(self, slot: Slot, reason: str, text: str = "", token: int | None = None,
-                error: str | None = None) -> None:
-        """Send the last chunk and free the slot (its cache stays for prefix reuse)."""
-        if reason == FINISH_STOP and token is None and slot.detok is not None:
-            text += slot.detok.finish()
-        slot.handle.push(GenerationChunk(
-            text=text, token_ids=[token] if token is not None else [], finish_reason=reason,
-            usage=slot.usage, error=error,
-        ))
-        if reason == FINISH_CANCELLED:
+    def finish(self, request_id: int, reason: FinishReason) -> None:
+        """End a running request from outside the step (a stop string seen by the output processor, or its
+        output failed). Frees the slot now: the token it would decode next is dropped."""
+        for slot in self.slots:
+            if slot.request is not None and slot.request.id == request_id:
+                self._end(slot, reason)
+                return
+
+    def _end(self, slot: Slot, reason: FinishReason, error: str | None = None,
+             token: int | None = None) -> RequestOutput:
+        """Free the slot (its cache stays, a valid prefix for the next request) and say how it ended."""
+        request, usage = slot.request, slot.usage
+        assert request is not None
+        if reason == FinishReason.cancelled:
             self.counters.requests_cancelled += 1
-        elif reason == FINISH_ERROR:
+        elif reason == FinishReason.error:
             self.counters.requests_failed += 1
         else:
             self.counters.requests_finished += 1
-        slot.pending = []  # an unfinished prefill leaves a partial prompt cached: still a valid prefix
+            self._note_finish()
         if slot.sampler is not None:
             slot.sampler.free()
-        slot.request = slot.handle = slot.sampler = slot.detok = None
-        slot.next_token = None
-        slot.logits_row = -1
+        slot.request = slot.sampler = None
+        slot.pending = []
+        slot.next_token, slot.logits_row = None, -1
         slot.last_used = time.perf_counter()
+        return RequestOutput(request, usage, token=token, finish=reason, error=error)
 
-    def _drop_cancelled(self) -> None:
-        for slot in self.slots:
-            if slot.busy and slot.request.cancelled:
-                self._finish(slot, FINISH_CANCELLED)
-        with self._lock:
-            gone = [(r, h) for r, h in self._waiting if r.cancelled]
-            for item in gone:
-                self._waiting.remove(item)
-        for request, handle in gone:
-            handle.push(GenerationChunk(finish_reason=FINISH_CANCELLED, usage=Usage(len(request.prompt_tokens))))
-            self.counters.requests_cancelled += 1
+    def _note_finish(self) -> None:
+        now = time.perf_counter()
+        if self._last_finish:
+            gap = max(now - self._last_finish, 1e-3)
+            self.requests_per_s = 0.8 * self.requests_per_s + 0.2 / gap
+        self._last_finish = now
+
+    def _drop_cancelled(self) -> list[RequestOutput]:
+        outputs = [self._end(s, FinishReason.cancelled) for s in self.slots
+                   if s.request is not None and s.request.cancelled]
+        if any(r.cancelled for r in self.waiting):
+            kept: collections.deque[Request] = collections.deque()
+            for request in self.waiting:
+                if request.cancelled:
+                    self.counters.requests_cancelled += 1
+                    outputs.append(RequestOutput(request, Usage(len(request.prompt_tokens)),
+                                                 finish=FinishReason.cancelled))
+                else:
+                    kept.append(request)
+            self.waiting = kept
+        return outputs
 
     def reset_slot(self, seq_id: int) -> None:
         """Empty an idle slot's cache (the engine borrows slot cells for scoring)."""
         self._ctx.forget(seq_id)
         self.slots[seq_id].cache.clear()
 
-    def fail_active(self, message: str) -> None:
-        """After an unexpected error: end every running request with an error and reset the slots' caches."""
+    def abort(self, message: str, waiting_too: bool) -> list[RequestOutput]:
+        """End running requests (and, on shutdown, waiting ones) with an error; reset every slot's cache.
+
+        For the engine's last resort: an error in the step itself, not a single request's trouble.
+        """
+        outputs = [self._end(s, FinishReason.error, message) for s in self.slots if s.request is not None]
         for slot in self.slots:
-            if slot.busy:
-                self._finish(slot, FINISH_ERROR, error=message)
             self._ctx.forget(slot.seq_id)
             slot.cache.clear()
+        if waiting_too:
+            while self.waiting:
+                request = self.waiting.popleft()
+                self.counters.requests_failed += 1
+                outputs.append(RequestOutput(request, Usage(len(request.prompt_tokens)),
+                                             finish=FinishReason.error, error=message))
+        return outputs
 
-    def fail_all(self, message: str) -> None:
-        """On shutdown: end running and waiting requests with an error, so no caller waits forever."""
-        self.fail_active(message)
-        with self._lock:
-            waiting, self._waiting = list(self._waiting), collections.deque()
-        for request, handle in waiting:
-            handle.push(GenerationChunk(finish_reason=FINISH_ERROR, error=message,
-                                        usage=Usage(len(request.prompt_tokens))))
-
-    # -- observation ---------------------------------------------------------------------------------
-    def snapshot(self) -> dict[str, Any]:
-        slots = [_slot_view(s) for s in list(self.slots)]
-        return {
-            "slots": slots,
-            "slots_busy": sum(1 for s in slots if s["state"] != "idle"),
-            "queue_depth": len(self._waiting),
-            "counters": vars(self.counters).copy(),
-        }
-
-
-def _slot_view(slot: Slot) -> dict[str, Any]:
-    """One slot as llama-server's /slots shows it; reads each field once (another thread is stepping)."""
-    request, usage = slot.request, slot.usage
-    return {
-        "id": slot.seq_id, "state": slot.state if request else "idle", "n_cached": len(slot.cache),
-        "request_id": request.id if request else None,
-        "n_prompt": usage.prompt_tokens if request else 0,
-        "n_generated": usage.completion_tokens if request else 0,
-    }
+    # -- observation (any thread) --------------------------------------------------------------------
+    def slot_views(self) -> list[SlotView]:
+        """Reads each slot's fields once: the step thread may be changing them."""
+        views = []
+        for slot in list(self.slots):
+            request, usage = slot.request, slot.usage
+            busy = request is not None
+            views.append(SlotView(
+                id=slot.seq_id, state=slot.state if busy else SlotState.idle, n_cached=len(slot.cache),
+                request_id=request.id if request is not None else None,
+                n_prompt=usage.prompt_tokens if busy else 0, n_generated=usage.completion_tokens if busy else 0))
+        return views
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

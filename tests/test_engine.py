@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from serving.engine import Engine, PromptTooLongError
-from serving.request import SamplingParams
+from serving.request import FinishReason, SamplingParams
+from tests.helpers import collect
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 PROMPTS = [
@@ -20,20 +21,15 @@ PROMPTS = [
 
 
 def generate(engine: Engine, prompt: str, params: SamplingParams = GREEDY) -> tuple[str, list[int]]:
-    text, tokens = [], []
-    for chunk in engine.submit(engine.tokenize_prompt(prompt), params):
-        text.append(chunk.text)
-        tokens += chunk.token_ids
-    return "".join(text), tokens
+    """Text and tokens of one generation; fails the test if the generation ends in an error."""
+    gen = collect(engine.submit(engine.tokenize_prompt(prompt), params))
+    return gen.text, gen.tokens
 
 
 def test_concurrent_requests_match_each_request_alone(engine: Engine) -> None:
     alone = [generate(engine, p) for p in PROMPTS]
     handles = [engine.submit(engine.tokenize_prompt(p), GREEDY) for p in PROMPTS]  # 5 > 4 slots: one queues
-    together = []
-    for handle in handles:
-        chunks = list(handle)
-        together.append(("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]))
+    together = [(g.text, g.tokens) for g in map(collect, handles)]
     assert together == alone
     assert all(len(tokens) == 24 for _, tokens in alone)
 
@@ -62,8 +58,8 @@ def test_cancel_frees_the_slot_at_the_next_step(engine: Engine) -> None:
     first = next(handle)
     assert first.finish_reason is None
     handle.cancel()
-    last = list(handle)[-1]
-    assert last.finish_reason == "cancelled"
+    last = collect(handle, allow=(FinishReason.cancelled,))
+    assert last.finish_reason == FinishReason.cancelled
     assert engine.stats()["slots_busy"] == 0
 
 
@@ -103,9 +99,9 @@ def test_prompt_longer_than_a_slot_is_refused(engine: Engine) -> None:
 
 def test_generation_stops_at_the_slot_end(engine: Engine) -> None:
     tokens = engine.tokenize_prompt("word " * 900)
-    chunks = list(engine.submit(tokens, SamplingParams(temperature=0.0, ignore_eos=True)))
-    assert chunks[-1].finish_reason == "length"
-    assert chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens == engine.n_ctx_slot
+    gen = collect(engine.submit(tokens, SamplingParams(temperature=0.0, ignore_eos=True)))
+    assert gen.finish_reason == FinishReason.length
+    assert gen.usage.prompt_tokens + gen.usage.completion_tokens == engine.n_ctx_slot
 
 
 def test_reconfigure_keeps_weights_and_waiting_requests(engine: Engine) -> None:
@@ -118,7 +114,7 @@ def test_reconfigure_keeps_weights_and_waiting_requests(engine: Engine) -> None:
         running = engine.submit(engine.tokenize_prompt(PROMPTS[1]), GREEDY)
         worker.start()
         engine.reconfigure(new)
-        assert list(running)[-1].finish_reason == "length"  # the running request finished first
+        assert collect(running).finish_reason == FinishReason.length  # the running request finished first
         worker.join(60)
         assert results and results[0] == generate(engine, PROMPTS[0])[0]
         assert engine.config == new and engine.n_ctx_slot == 1024 and len(engine.stats()["slots"]) == 2

@@ -1,0 +1,32 @@
+"""Helpers that collect a generation. Every one of them FAILS on an error chunk: a test that passes on an
+error path (an errored generation returning "" that happens to differ from something) is the worst kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serving.request import FinishReason, GenerationChunk, RequestHandle, Usage
+
+WAIT_S = 120.0  # per chunk: a hang fails the test instead of the whole run
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    finish_reason: FinishReason
+    usage: Usage | None
+
+
+def collect(handle: RequestHandle, allow: tuple[FinishReason, ...] = (FinishReason.stop, FinishReason.length)
+            ) -> Generation:
+    """Read a handle to its end; assert it ended in one of `allow` (never silently on an error)."""
+    chunks: list[GenerationChunk] = []
+    while not handle.finished:
+        chunks.append(handle.get(timeout=WAIT_S))
+    last = chunks[-1]
+    if FinishReason.error not in allow:
+        assert last.finish_reason != FinishReason.error, f"the generation failed: {last.error}"
+    assert last.finish_reason in allow, f"ended with {last.finish_reason}, expected one of {allow}"
+    return Generation("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                      last.finish_reason, last.usage)

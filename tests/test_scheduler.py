@@ -1,0 +1,417 @@
+"""The scheduler and the output processor without a model: a fake context, milliseconds per test.
+
+The fake keeps its own K/V record per sequence and checks every batch against it (positions contiguous,
+no sequence over its cells), so the scheduler's `slot.cache` is checked against what a context would hold.
+Its "model" is deterministic: the next token after t is (t + 1) % VOCAB, unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from serving.output import OutputProcessor
+from serving.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams
+from serving.scheduler import DECODE_FAILED, SAMPLER_FAILED, RequestOutput, Scheduler
+
+VOCAB, EOS = 100, 99
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+class FakeSampler:
+    def __init__(self, ctx: FakeContext, params: SamplingParams) -> None:
+        self.ctx, self.params, self.accepted, self.freed = ctx, params, [], False
+        if params.seed == 666:
+            raise RuntimeError("this sampler cannot be built")
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self.accepted += list(tokens)
+
+    def sample(self, row: int) -> int:
+        if self.params.seed == 13:
+            raise RuntimeError("this sampler always fails")
+        return self.ctx.greedy(row)
+
+    def free(self) -> None:
+        self.freed = True
+
+
+@dataclass
+class FakeContext:
+    n_ctx_seq: int = 64
+    batch_capacity: int = 16
+    rc: int = 0  # what the next decode returns
+    kv: dict[int, list[int]] = field(default_factory=dict)
+    rows: list[tuple[int, int, int, bool]] = field(default_factory=list)  # token, pos, seq, logits
+    decodes: int = 0
+    eos_after: dict[int, int] = field(default_factory=dict)  # seq -> cache length at which EOS comes
+    samplers: list[FakeSampler] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    def clear_batch(self) -> None:
+        self.rows = []
+
+    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool) -> int:
+        assert len(self.rows) + len(tokens) <= self.batch_capacity, "batch overfilled"
+        for i, t in enumerate(tokens):
+            self.rows.append((t, start_pos + i, seq_id, want_logits and i == len(tokens) - 1))
+        return len(self.rows) - 1
+
+    def decode(self) -> int:
+        self.decodes += 1
+        if self.rc != 0:
+            return self.rc
+        for token, pos, seq, _ in self.rows:
+            cells = self.kv.setdefault(seq, [])
+            assert pos == len(cells), f"seq {seq}: position {pos} after {len(cells)} cached tokens"
+            assert pos < self.n_ctx_seq, f"seq {seq} overflows its {self.n_ctx_seq} cells"
+            cells.append(token)
+        return 0
+
+    def greedy(self, row: int) -> int:
+        token, _, seq, want = self.rows[row]
+        assert want, "sampled a row without logits"
+        if self.eos_after.get(seq) == len(self.kv[seq]):
+            return EOS
+        return (token + 1) % (VOCAB - 1)
+
+    def new_sampler(self, params: SamplingParams, default_seed: int) -> FakeSampler:
+        sampler = FakeSampler(self, params)
+        self.samplers.append(sampler)
+        return sampler
+
+    def forget(self, seq_id: int, from_pos: int = 0) -> None:
+        del self.kv.setdefault(seq_id, [])[from_pos:]
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOS
+
+
+_ids = iter(range(10**9))
+
+
+def req(prompt: Sequence[int], params: SamplingParams = GREEDY) -> Request:
+    return Request(next(_ids), list(prompt), params)
+
+
+def make(n_parallel: int = 2, **kw: int) -> tuple[Scheduler, FakeContext]:
+    ctx = FakeContext(**kw)
+    return Scheduler(ctx, n_parallel, default_seed=1), ctx
+
+
+def run(s: Scheduler, ctx: FakeContext, steps: int = 100) -> list[RequestOutput]:
+    """Step until nothing is left to do; check the cache invariant after every step."""
+    outputs: list[RequestOutput] = []
+    for _ in range(steps):
+        out, decoded = s.step()
+        outputs += out
+        for slot in s.slots:
+            assert slot.cache == ctx.kv.get(slot.seq_id, []), f"slot {slot.seq_id}'s cache drifted"
+        if not decoded and not out and not s.waiting:
+            return outputs
+    raise AssertionError("the scheduler did not settle")
+
+
+def ends(outputs: list[RequestOutput]) -> dict[int, RequestOutput]:
+    return {o.request.id: o for o in outputs if o.finish is not None}
+
+
+def tokens_of(outputs: list[RequestOutput], request: Request) -> list[int]:
+    return [o.token for o in outputs if o.request is request and o.token is not None]
+
+
+# -- admission and the batch -------------------------------------------------------------------------
+def test_requests_beyond_the_slots_wait_and_run_in_arrival_order() -> None:
+    s, ctx = make(n_parallel=2)
+    rs = [req([1, 2, 3]) for _ in range(5)]
+    for r in rs:
+        s.add(r)
+    out, _ = s.step()
+    assert [slot.request for slot in s.slots] == rs[:2] and list(s.waiting) == rs[2:]
+    out += run(s, ctx)
+    done = ends(out)
+    assert all(done[r.id].finish == FinishReason.length for r in rs)
+    assert all(tokens_of(out, r) == [4, 5, 6, 7] for r in rs)
+    assert s.drained and s.counters.requests_finished == 5
+
+
+def test_one_decode_per_step_carries_every_generating_slot_and_prompt_chunks() -> None:
+    s, ctx = make(n_parallel=3, batch_capacity=8)
+    s.add(req([1, 2]))
+    s.step()  # prompt of the first request
+    s.add(req(list(range(10, 30))))  # 20-token prompt: needs three steps of chunks
+    s.step()
+    assert ctx.decodes == 2
+    gen_rows = [r for r in ctx.rows if r[2] == 0]
+    assert len(gen_rows) == 1 and len(ctx.rows) == 8  # one token for the generator, 7 prompt tokens
+
+
+def test_prefix_reuse_picks_the_slot_sharing_the_longest_prefix() -> None:
+    s, ctx = make(n_parallel=2)
+    a, b = req([1, 2, 3, 4, 5]), req([7, 8, 9])
+    s.add(a)
+    s.add(b)
+    run(s, ctx)
+    slot_of_a = next(slot for slot in s.slots if slot.cache[:5] == [1, 2, 3, 4, 5])
+    follow = req([1, 2, 3, 4, 5, 50, 51])
+    s.add(follow)
+    out = run(s, ctx)
+    assert ends(out)[follow.id].usage.cached_tokens == 5
+    assert s.slots[slot_of_a.seq_id].cache[:7] == [1, 2, 3, 4, 5, 50, 51]
+    same = req([1, 2, 3, 4, 5, 50, 51])  # an identical prompt still decodes its last token for logits
+    s.add(same)
+    assert ends(run(s, ctx))[same.id].usage.cached_tokens == 6
+
+
+def test_eos_ends_with_stop_and_is_not_counted() -> None:
+    s, ctx = make()
+    r = req([1, 2, 3], SamplingParams(max_tokens=10, temperature=0.0))
+    ctx.eos_after[0] = 5  # after 3 prompt + 2 generated tokens decoded, the model says EOS
+    s.add(r)
+    out = run(s, ctx)
+    assert tokens_of(out, r) == [4, 5] and ends(out)[r.id].finish == FinishReason.stop
+    assert ends(out)[r.id].usage.completion_tokens == 2
+
+
+def test_generation_stops_at_the_slot_end_without_max_tokens() -> None:
+    s, ctx = make(n_ctx_seq=16)
+    r = req(list(range(10)), SamplingParams(max_tokens=None, temperature=0.0))
+    s.add(r)
+    done = ends(run(s, ctx))[r.id]
+    assert done.finish == FinishReason.length and done.usage.completion_tokens == 6
+    assert done.usage.prompt_tokens + done.usage.completion_tokens == 16
+
+
+# -- failures stay with their requests ---------------------------------------------------------------
+def test_a_failed_decode_fails_only_the_requests_in_that_batch() -> None:
+    s, ctx = make(n_parallel=3, batch_capacity=4)
+    gen, big, queued = req([1, 2]), req(list(range(10, 20))), req([5])
+    s.add(gen)
+    s.step()  # gen's prompt decoded: it generates from now on
+    s.add(big)
+    s.step()  # big takes its first chunk of 3 alongside gen's token
+    idle_slot = s.slots[2]
+    s.add(queued)
+    ctx.rc = -3
+    out, _ = s.step()
+    failed = ends(out)
+    assert failed[gen.id].finish == failed[big.id].finish == FinishReason.error
+    assert failed[gen.id].error == DECODE_FAILED.format(rc=-3)
+    assert s.counters.decode_failures == 1
+    assert s.slots[0].cache == [] and s.slots[1].cache == []  # half-written caches are dropped
+    ctx.rc = 0
+    rest = ends(run(s, ctx))
+    assert rest[queued.id].finish == FinishReason.length  # the one not in the failed batch goes on
+    assert idle_slot.seq_id == 2
+
+
+def test_a_failing_sampler_fails_only_its_request() -> None:
+    s, ctx = make(n_parallel=3)
+    good, bad, greedy = (req([1], SamplingParams(max_tokens=3, temperature=0.8, seed=1)),
+                         req([1], SamplingParams(max_tokens=3, temperature=0.8, seed=13)), req([2]))
+    for r in (good, bad, greedy):
+        s.add(r)
+    out = run(s, ctx)
+    done = ends(out)
+    assert done[bad.id].finish == FinishReason.error and done[bad.id].error == SAMPLER_FAILED
+    assert done[good.id].finish == done[greedy.id].finish == FinishReason.length
+    assert all(sampler.freed for sampler in ctx.samplers)
+
+
+def test_a_sampler_that_cannot_be_built_fails_only_its_request() -> None:
+    s, ctx = make(n_parallel=1)
+    bad, good = req([1], SamplingParams(max_tokens=2, temperature=0.5, seed=666)), req([1])
+    s.add(bad)
+    s.add(good)
+    done = ends(run(s, ctx))
+    assert done[bad.id].finish == FinishReason.error and done[good.id].finish == FinishReason.length
+
+
+def test_penalties_see_the_prompt_tail() -> None:
+    s, ctx = make()
+    s.add(req(list(range(1, 11)), SamplingParams(max_tokens=1, temperature=0.0, repeat_penalty=1.3,
+                                                   penalty_last_n=4)))
+    s.step()
+    assert ctx.samplers[0].accepted == [7, 8, 9, 10]
+
+
+# -- cancellation at every point ---------------------------------------------------------------------
+def test_cancel_while_waiting() -> None:
+    s, ctx = make(n_parallel=1)
+    running, waiting = req([1]), req([2])
+    s.add(running)
+    s.add(waiting)
+    s.step()
+    waiting.cancelled = True
+    out, _ = s.step()
+    assert ends(out)[waiting.id].finish == FinishReason.cancelled and not s.waiting
+
+
+def test_cancel_mid_prefill_keeps_a_valid_prefix() -> None:
+    s, ctx = make(n_parallel=1, batch_capacity=4)
+    r = req(list(range(10, 22)))
+    s.add(r)
+    s.step()  # first chunk of 4
+    r.cancelled = True
+    out, _ = s.step()
+    assert ends(out)[r.id].finish == FinishReason.cancelled
+    assert s.slots[0].cache == [10, 11, 12, 13] == ctx.kv[0]
+    again = req(list(range(10, 22)))
+    s.add(again)
+    assert ends(run(s, ctx))[again.id].usage.cached_tokens == 4
+
+
+def test_cancel_while_generating_drops_the_undecoded_token() -> None:
+    s, ctx = make(n_parallel=1)
+    r = req([1, 2], SamplingParams(max_tokens=50, temperature=0.0))
+    s.add(r)
+    for _ in range(3):
+        s.step()
+    r.cancelled = True
+    out, _ = s.step()
+    assert ends(out)[r.id].finish == FinishReason.cancelled
+    assert s.slots[0].next_token is None and s.slots[0].cache == ctx.kv[0]
+    assert s.counters.requests_cancelled == 1
+
+
+def test_cancel_after_the_end_changes_nothing() -> None:
+    s, ctx = make(n_parallel=1)
+    r = req([1])
+    s.add(r)
+    run(s, ctx)
+    r.cancelled = True
+    assert run(s, ctx) == [] and s.counters.requests_cancelled == 0
+
+
+def test_finish_from_outside_frees_the_slot_at_once() -> None:
+    s, ctx = make(n_parallel=1)
+    r = req([1], SamplingParams(max_tokens=50, temperature=0.0))
+    s.add(r)
+    s.step()
+    s.finish(r.id, FinishReason.stop)
+    assert s.drained and s.slots[0].next_token is None and s.counters.requests_finished == 1
+
+
+# -- reconfigure -------------------------------------------------------------------------------------
+def test_queued_prompt_that_no_longer_fits_after_a_reconfigure_fails_cleanly() -> None:
+    s, ctx = make(n_parallel=1, n_ctx_seq=64)
+    long_prompt, short = req(list(range(40))), req([1, 2])
+    s.admitting = False  # the engine pauses admission while a reconfigure waits
+    s.add(long_prompt)
+    s.add(short)
+    assert s.step() == ([], False) and len(s.waiting) == 2
+    s.rebind(FakeContext(n_ctx_seq=32), n_parallel=2, default_seed=1)
+    s.admitting = True
+    out = ends(run(s, s._ctx))  # noqa: SLF001 (the new fake context)
+    assert out[long_prompt.id].finish == FinishReason.error and "no longer fits" in out[long_prompt.id].error
+    assert out[short.id].finish == FinishReason.length and len(s.slots) == 2
+
+
+def test_abort_on_shutdown_ends_running_and_waiting() -> None:
+    s, ctx = make(n_parallel=1)
+    a, b = req([1], SamplingParams(max_tokens=50, temperature=0.0)), req([2])
+    s.add(a)
+    s.add(b)
+    s.step()
+    done = ends(s.abort("bye", waiting_too=True))
+    assert done[a.id].error == done[b.id].error == "bye" and s.drained and not s.waiting
+
+
+# -- the output processor ----------------------------------------------------------------------------
+class _Handle(RequestHandle):
+    def __init__(self, request: Request, alive: bool = True) -> None:
+        import threading
+
+        super().__init__(request, threading.Event())
+        self.alive, self.pushed = alive, []
+
+    def push(self, chunk: GenerationChunk) -> bool:
+        self.pushed.append(chunk)
+        return self.alive
+
+
+PIECES = {i: f"<{i}>".encode() for i in range(VOCAB)}
+
+
+def test_stop_strings_end_the_request_and_free_its_slot_before_delivery() -> None:
+    s, ctx = make(n_parallel=1)
+    outputs = OutputProcessor(PIECES.__getitem__)
+    r = req([1], SamplingParams(max_tokens=20, temperature=0.0, stop=("<4>",)))
+    handle = _Handle(r)
+    s.add(r)
+    outputs.add(r, handle)
+    seen_busy_at_last_push: list[bool] = []
+    for _ in range(10):
+        out, _ = s.step()
+        deliveries, finished = outputs.process(out)
+        for request_id, reason in finished:
+            s.finish(request_id, reason)
+        if any(d.chunk.finish_reason for d in deliveries):
+            seen_busy_at_last_push.append(not s.drained)
+        outputs.deliver(deliveries)
+        if handle.pushed and handle.pushed[-1].finish_reason:
+            break
+    text = "".join(c.text for c in handle.pushed)
+    assert text == "<2><3>" and handle.pushed[-1].finish_reason == FinishReason.stop
+    assert seen_busy_at_last_push == [False]
+
+
+def test_a_detokeniser_failure_fails_only_its_request() -> None:
+    def pieces(token: int) -> bytes:
+        if token == 3:
+            raise KeyError(token)
+        return b"x"
+
+    outputs = OutputProcessor(pieces)
+    bad, good = req([2]), req([5])
+    hb, hg = _Handle(bad), _Handle(good)
+    outputs.add(bad, hb)
+    outputs.add(good, hg)
+    from serving.request import Usage
+
+    deliveries, finished = outputs.process([RequestOutput(bad, Usage(1), token=3),
+                                            RequestOutput(good, Usage(1), token=6)])
+    assert finished == [(bad.id, FinishReason.error)]
+    assert [d.chunk.finish_reason for d in deliveries] == [FinishReason.error, None]
+
+
+def test_a_reader_that_is_gone_gets_its_request_cancelled() -> None:
+    outputs = OutputProcessor(PIECES.__getitem__)
+    r = req([2])
+    outputs.add(r, _Handle(r, alive=False))
+    from serving.request import Usage
+
+    deliveries, _ = outputs.process([RequestOutput(r, Usage(1), token=3)])
+    outputs.deliver(deliveries)
+    assert r.cancelled
+
+
+def test_push_survives_an_event_loop_that_closes_under_it() -> None:
+    """The loop can close between any is_closed() check and call_soon_threadsafe: push must not raise."""
+    import asyncio
+    import threading
+
+    async def make_handle() -> RequestHandle:
+        return RequestHandle(req([1]), threading.Event())
+
+    loop = asyncio.new_event_loop()
+    handle = loop.run_until_complete(make_handle())
+    loop.close()
+    assert handle.push(GenerationChunk(text="late")) is False
+
+
+@pytest.mark.parametrize("stop", [("<9>",), ()])
+def test_length_end_releases_held_back_text(stop: tuple[str, ...]) -> None:
+    outputs = OutputProcessor(PIECES.__getitem__)
+    r = req([1], SamplingParams(max_tokens=1, stop=stop or ("<3>x",)))
+    h = _Handle(r)
+    outputs.add(r, h)
+    from serving.request import Usage
+
+    deliveries, _ = outputs.process([RequestOutput(r, Usage(1, 1), token=3, finish=FinishReason.length)])
+    assert deliveries[0].chunk.text == "<3>" and deliveries[0].chunk.finish_reason == FinishReason.length
