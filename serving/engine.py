@@ -213,6 +213,10 @@ class Engine:
         tokens = np.asarray(prompt_tokens)
         if tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() >= self.n_vocab:
             raise ValueError(f"prompt token ids must be integers in [0, {self.n_vocab})")
+        if any(not 0 <= t < self.n_vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.n_vocab})")
+        if params.grammar is not None and not self._with_model(lambda m: m.grammar_parses(params.grammar)):
+            raise ValueError("the grammar does not parse as GBNF with a 'root' rule")
         n_requested = params.max_tokens or 0
         if len(prompt_tokens) + max(n_requested, 1) > self._n_ctx_slot:
             raise PromptTooLongError(len(prompt_tokens), n_requested, self._n_ctx_slot)

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 from serving.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
 from serving.errors import EngineError  # noqa: E402
-from serving.request import SamplingParams  # noqa: E402
+from serving.request import SamplingParams, TokenLogprob  # noqa: E402
 
 llama_cpp = ll  # the bindings module, for the few callers outside serving/ that need a constant
 
@@ -133,6 +133,14 @@ class LlamaModel:
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self.vocab, token))
 
+    def grammar_parses(self, gbnf: str) -> bool:
+        """Whether llama.cpp accepts this GBNF grammar (root rule "root") for this vocabulary."""
+        sampler = ll.llama_sampler_init_grammar(self.vocab, gbnf.encode(), b"root")
+        if not sampler:
+            return False
+        ll.llama_sampler_free(sampler)
+        return True
+
     def free(self) -> None:
         if self.ptr:
             ll.llama_model_free(self.ptr)
@@ -179,34 +187,108 @@ class Batch:
         return i + k - 1
 
 
+# struct llama_token_data {llama_token id; float logit; float p;}: a numpy view llama.cpp can read in place
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+class Candidates:
+    """A reusable llama_token_data_array over the whole vocabulary, filled from one logits row.
+
+    One per context: only the step thread samples, one request at a time. Samplers may move the array's
+    data pointer and shrink its size (top-k does), so every fill resets both.
+    """
+
+    def __init__(self, n_vocab: int) -> None:
+        self._data = np.zeros(n_vocab, _TOKEN_DATA)
+        self._data["id"] = np.arange(n_vocab, dtype=np.int32)
+        self._one = np.zeros(1, _TOKEN_DATA)
+        self._full = ll.llama_token_data_array(size=n_vocab, selected=-1, sorted=False)
+        self._single = ll.llama_token_data_array(size=1, selected=-1, sorted=False)
+
+    def fill(self, logits: np.ndarray) -> ll.llama_token_data_array:
+        self._data["logit"] = logits
+        self._data["p"] = 0.0
+        arr = self._full
+        arr.data = self._data.ctypes.data_as(ll.llama_token_data_p)
+        arr.size, arr.selected, arr.sorted = len(self._data), -1, False
+        return arr
+
+    def single(self, token: int) -> ll.llama_token_data_array:
+        self._one[0] = (token, 0.0, 0.0)
+        arr = self._single
+        arr.data = self._one.ctypes.data_as(ll.llama_token_data_p)
+        arr.size, arr.selected, arr.sorted = 1, -1, False
+        return arr
+
+
 class SamplerChain:
-    """One llama.cpp sampler chain for one request, in llama-server's order (penalties -> top-k -> top-p ->
-    min-p -> temperature -> dist), so a request gives the same distribution here as there. Freed when the
-    request leaves its slot."""
+    """One request's sampling, in llama-server's order: logit bias -> penalties -> top-k -> top-p -> min-p
+    -> temperature -> dist (or greedy), so a request gives the same distribution here as there.
+
+    A grammar is applied the way llama-server applies it: sample without it, and only if the grammar
+    rejects that token, sample again with the grammar applied first. That draws from the distribution
+    restricted to what the grammar allows (rejection sampling), but costs a full-vocabulary grammar pass
+    only on the tokens the model would have got wrong.
+    """
 
     def __init__(self, ctx: LlamaContext, params: SamplingParams, default_seed: int) -> None:
         self._ctx = ctx
+        self._grammar = None
+        if params.grammar is not None:
+            self._grammar = ll.llama_sampler_init_grammar(ctx.model.vocab, params.grammar.encode(), b"root")
+            if not self._grammar:
+                raise ValueError("the grammar does not parse")
         self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         for sampler in _samplers_for(params, default_seed, ctx.n_vocab):
             ll.llama_sampler_chain_add(self._ptr, sampler)  # the chain takes ownership
 
     def accept(self, tokens: Sequence[int]) -> None:
-        """Feed tokens to the chain's history (the penalty sampler's window), as llama-server does."""
+        """Feed tokens to the chain's history (the penalty sampler's window), as llama-server does with the
+        prompt. Not to the grammar: it constrains what is generated, not the prompt."""
         for token in tokens:
             ll.llama_sampler_accept(self._ptr, token)
 
     def sample(self, row: int) -> int:
-        """Sample (and accept) the next token from the logits of batch row `row`."""
-        return int(ll.llama_sampler_sample(self._ptr, self._ctx.ptr, row))
+        """Choose the next token from the logits of batch row `row`, and accept it."""
+        logits = self._ctx.logits(row)
+        token = self._select(logits, grammar_first=False)
+        if self._grammar is not None and not self._allows(token):
+            token = self._select(logits, grammar_first=True)
+        ll.llama_sampler_accept(self._ptr, token)
+        if self._grammar is not None:
+            ll.llama_sampler_accept(self._grammar, token)
+        return token
+
+    def _select(self, logits: np.ndarray, grammar_first: bool) -> int:
+        cur = self._ctx.candidates.fill(logits)
+        ref = ctypes.byref(cur)
+        if grammar_first:
+            ll.llama_sampler_apply(self._grammar, ref)
+        ll.llama_sampler_apply(self._ptr, ref)
+        if cur.selected < 0:
+            raise RuntimeError("the sampler chain selected no token")
+        return int(cur.data[cur.selected].id)
+
+    def _allows(self, token: int) -> bool:
+        cur = self._ctx.candidates.single(token)
+        ll.llama_sampler_apply(self._grammar, ctypes.byref(cur))
+        return bool(np.isfinite(cur.data[0].logit))
 
     def free(self) -> None:
         if self._ptr is not None:
             ll.llama_sampler_free(self._ptr)
             self._ptr = None
+        if self._grammar is not None:
+            ll.llama_sampler_free(self._grammar)
+            self._grammar = None
 
 
 def _samplers_for(params: SamplingParams, default_seed: int, n_vocab: int) -> list[ll.llama_sampler_p]:
     samplers = []
+    if params.logit_bias:
+        biases = (ll.llama_logit_bias * len(params.logit_bias))(
+            *(ll.llama_logit_bias(token=t, bias=b) for t, b in params.logit_bias))
+        samplers.append(ll.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
     if params.has_penalties:
         samplers.append(ll.llama_sampler_init_penalties(
             n_vocab, params.penalty_last_n, params.repeat_penalty, params.frequency_penalty,
@@ -266,6 +348,7 @@ class LlamaContext:
         self.n_ctx_seq: int = ll.llama_n_ctx_seq(self.ptr)
         self.n_vocab = model.n_vocab
         self.batch = Batch(config.n_batch)
+        self.candidates = Candidates(self.n_vocab)
 
     # -- the scheduler's ModelContext ----------------------------------------------------------------
     @property
@@ -300,6 +383,18 @@ class LlamaContext:
 
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
+
+    def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
+        """log-softmax of the raw logits of `row`: the chosen token's value and the `top_n` best."""
+        logits = self.logits(row)
+        peak = float(logits.max())
+        log_z = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
+        top: tuple[tuple[int, float], ...] = ()
+        if top_n > 0:
+            best = np.argpartition(logits, -top_n)[-top_n:]
+            best = best[np.argsort(logits[best])[::-1]]
+            top = tuple((int(t), float(logits[t]) - log_z) for t in best)
+        return TokenLogprob(token, float(logits[token]) - log_z, top)
 
     # -- for scoring ---------------------------------------------------------------------------------
     def logits(self, row: int) -> np.ndarray:

@@ -76,14 +76,15 @@ class OutputProcessor:
     @staticmethod
     def _chunk(detok: IncrementalDetokenizer, out: RequestOutput) -> GenerationChunk:
         tokens = [out.token] if out.token is not None else []
+        logprobs = [out.logprob] if out.logprob is not None else []
         if out.finish in (FinishReason.cancelled, FinishReason.error):
             return GenerationChunk(finish_reason=out.finish, usage=out.usage, error=out.error)
         text, hit_stop = detok.add(out.token) if out.token is not None else ("", False)
         if hit_stop:
-            return GenerationChunk(text, tokens, FinishReason.stop, out.usage)
+            return GenerationChunk(text, tokens, FinishReason.stop, out.usage, logprobs=logprobs)
         if out.finish is not None:  # stop (end of generation) or length: release what was held back
-            return GenerationChunk(text + detok.finish(), tokens, out.finish, out.usage)
-        return GenerationChunk(text, tokens)
+            return GenerationChunk(text + detok.finish(), tokens, out.finish, out.usage, logprobs=logprobs)
+        return GenerationChunk(text, tokens, logprobs=logprobs)
 
     @staticmethod
     def deliver(deliveries: list[Delivery]) -> None:
@@ -96,6 +97,3 @@ class OutputProcessor:
                 alive = False
             if not alive:
                 d.handle.request.cancelled = True
-
-    def drop(self, request_id: int) -> None:
-        self._live.pop(request_id, None)

@@ -45,6 +45,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit; -inf bans)
+    grammar: str | None = None  # GBNF (root rule "root"): only continuations it accepts are sampled
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
 
     @property
     def has_penalties(self) -> bool:
@@ -53,7 +56,20 @@ class SamplingParams:
     @property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that needs llama.cpp's sampler state: argmax of the logits is the answer."""
-        return self.temperature <= 0.0 and not self.has_penalties
+        return self.temperature <= 0.0 and not self.has_penalties and not self.logit_bias and self.grammar is None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely alternatives at that position.
+
+    From the model's raw logits (log-softmax), before penalties, logit_bias, grammar and temperature, as
+    vLLM reports by default: the model's own belief, comparable across sampling settings.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclass
@@ -86,6 +102,7 @@ class GenerationChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token in token_ids, when asked
 
     def merge(self, later: GenerationChunk) -> GenerationChunk:
         """Join a later chunk onto this one (used to send everything available in one SSE event)."""
@@ -95,6 +112,7 @@ class GenerationChunk:
             finish_reason=later.finish_reason,
             usage=later.usage or self.usage,
             error=later.error or self.error,
+            logprobs=self.logprobs + later.logprobs,
         )
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from serving.request import FinishReason, Request, SamplingParams, Usage
+from serving.request import FinishReason, Request, SamplingParams, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ class ModelContext(Protocol):
 
     def is_eog(self, token: int) -> bool: ...
 
+    def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob: ...
+
 
 class SlotState(str, Enum):
     idle = "idle"
@@ -89,6 +91,7 @@ class RequestOutput:
     token: int | None = None
     finish: FinishReason | None = None
     error: str | None = None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -238,15 +241,17 @@ class Scheduler:
             if slot.logits_row < 0 or slot.request is None:
                 continue
             row, slot.logits_row = slot.logits_row, -1
+            top_n = slot.request.params.logprobs
             try:
                 token = self._ctx.greedy(row) if slot.sampler is None else slot.sampler.sample(row)
+                logprob = None if top_n is None else self._ctx.logprobs(row, token, top_n)
             except Exception:  # one request's sampler: that request fails, its neighbours go on
                 log.exception("sampling failed for request %d", slot.request.id)
                 outputs.append(self._end(slot, FinishReason.error, SAMPLER_FAILED))
                 continue
-            outputs.append(self._on_token(slot, token, now))
+            outputs.append(self._on_token(slot, token, now, logprob))
 
-    def _on_token(self, slot: Slot, token: int, now: float) -> RequestOutput:
+    def _on_token(self, slot: Slot, token: int, now: float, logprob: TokenLogprob | None) -> RequestOutput:
         request, usage = slot.request, slot.usage
         assert request is not None
         if usage.ttft_s is None:
@@ -258,9 +263,9 @@ class Scheduler:
         usage.decode_s = now - slot.t_first
         self.counters.generated_tokens += 1
         if usage.completion_tokens >= slot.limit:
-            return self._end(slot, FinishReason.length, token=token)
+            return self._end(slot, FinishReason.length, token=token, logprob=logprob)
         slot.next_token = token
-        return RequestOutput(request, usage, token=token)
+        return RequestOutput(request, usage, token=token, logprob=logprob)
 
     # -- admission -----------------------------------------------------------------------------------
     def _admit(self) -> list[RequestOutput]:
@@ -324,7 +329,7 @@ class Scheduler:
                 return
 
     def _end(self, slot: Slot, reason: FinishReason, error: str | None = None,
-             token: int | None = None) -> RequestOutput:
+             token: int | None = None, logprob: TokenLogprob | None = None) -> RequestOutput:
         """Free the slot (its cache stays, a valid prefix for the next request) and say how it ended."""
         request, usage = slot.request, slot.usage
         assert request is not None
@@ -341,7 +346,7 @@ class Scheduler:
         slot.pending = []
         slot.next_token, slot.logits_row = None, -1
         slot.last_used = time.perf_counter()
-        return RequestOutput(request, usage, token=token, finish=reason, error=error)
+        return RequestOutput(request, usage, token=token, finish=reason, error=error, logprob=logprob)
 
     def _note_finish(self) -> None:
         now = time.perf_counter()

@@ -415,3 +415,19 @@ def test_length_end_releases_held_back_text(stop: tuple[str, ...]) -> None:
 
     deliveries, _ = outputs.process([RequestOutput(r, Usage(1, 1), token=3, finish=FinishReason.length)])
     assert deliveries[0].chunk.text == "<3>" and deliveries[0].chunk.finish_reason == FinishReason.length
+
+
+def test_logprobs_ride_with_their_tokens() -> None:
+    from serving.request import TokenLogprob
+
+    class WithLogprobs(FakeContext):
+        def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
+            return TokenLogprob(token, -0.5, tuple((token + i, -1.0 - i) for i in range(top_n)))
+
+    ctx = WithLogprobs()
+    s = Scheduler(ctx, 1, default_seed=1)
+    r = req([1], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2))
+    s.add(r)
+    out = run(s, ctx)
+    assert [o.logprob.token for o in out if o.logprob] == tokens_of(out, r) == [2, 3, 4]
+    assert all(len(o.logprob.top) == 2 for o in out if o.logprob)

@@ -1,0 +1,58 @@
+"""Sampling features on the real engine: logit bias (ban and force), grammars, logprobs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from serving.engine import Engine
+from serving.request import SamplingParams
+from tests.helpers import collect
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _prompt(engine: Engine, text: str) -> list[int]:
+    return engine.tokenize_prompt(engine.render_chat([{"role": "user", "content": text}]))
+
+
+def test_logit_bias_bans_and_forces(engine: Engine) -> None:
+    prompt = _prompt(engine, "Say hello.")
+    plain = collect(engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0.0)))
+    banned = collect(engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                          logit_bias=((plain.tokens[0], -math.inf),))))
+    assert plain.tokens[0] not in banned.tokens
+    forced = collect(engine.submit(prompt, SamplingParams(max_tokens=4, temperature=0.0, logit_bias=((42, 100.0),))))
+    assert forced.tokens == [42] * 4
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 1), (0.9, 2), (1.2, 3)])
+def test_a_json_schema_grammar_always_gives_valid_json(engine: Engine, temperature: float, seed: int | None) -> None:
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    grammar = json_schema_to_gbnf(json.dumps(PERSON))
+    gen = collect(engine.submit(_prompt(engine, "Describe a person."),
+                                SamplingParams(max_tokens=200, temperature=temperature, seed=seed, grammar=grammar)))
+    value = json.loads(gen.text)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int) and isinstance(value["name"], str)
+
+
+def test_a_grammar_that_does_not_parse_is_refused(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="grammar"):
+        engine.submit([1, 2, 3], SamplingParams(grammar="root ::= ( unclosed"))
+
+
+def test_logprobs_one_per_token_from_the_raw_distribution(engine: Engine) -> None:
+    prompt = _prompt(engine, "Name a colour.")
+    gen = collect(engine.submit(prompt, SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)))
+    handle = engine.submit(prompt, SamplingParams(max_tokens=8, temperature=0.0, logprobs=3))
+    logprobs = [lp for chunk in handle for lp in chunk.logprobs]
+    assert [lp.token for lp in logprobs] == gen.tokens
+    for lp in logprobs:
+        assert lp.logprob <= 0 and len(lp.top) == 3
+        assert lp.top[0] == (lp.token, lp.logprob)  # greedy: the chosen token is the most likely
+        assert sum(math.exp(v) for _, v in lp.top) <= 1.0 + 1e-6
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
