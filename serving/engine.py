@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from serving.llama import LlamaContext, LlamaModel  # first: loads ray, then libllama (see serving/llama.py)
@@ -95,7 +95,7 @@ class Engine:
         self._n_ctx_slot = self._ctx.n_ctx_seq
         self._wake = threading.Event()
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue[tuple[Request, RequestHandle]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[list[tuple[Request, RequestHandle]]] = queue.SimpleQueue()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._pending: list[_Command] = []  # step thread only
         self._intake = threading.Lock()  # submit's check-and-put vs the step thread's last drain
@@ -139,20 +139,31 @@ class Engine:
     def submit(self, prompt_tokens: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request; iterate the returned handle for its output. Thread-safe.
 
-        Raises ValueError (empty prompt, token ids outside the vocabulary), PromptTooLongError (prompt and
-        max_tokens do not fit one slot), QueueFullError (max_queued requests already wait), and
-        EngineStoppedError (closed, or the step thread has died).
+        Raises ValueError (empty prompt, token ids outside the vocabulary, a grammar that does not parse),
+        PromptTooLongError (prompt and max_tokens do not fit one slot), QueueFullError (max_queued requests
+        already wait), and EngineStoppedError (closed, or the step thread has died).
         """
+        return self.submit_choices(prompt_tokens, params, 1)[0]
+
+    def submit_choices(self, prompt_tokens: list[int], params: SamplingParams, n: int) -> list[RequestHandle]:
+        """Queue `n` independent completions of one prompt (OpenAI's `n`): the prompt is prefilled once and
+        its K/V cells copied to the other slots (llama_memory_seq_cp), so n choices cost one prefill.
+        They run at once, so n may not exceed n_parallel. With a seed, choice i samples with seed + i."""
+        if not 1 <= n <= self.config.n_parallel:
+            raise ValueError(f"n={n} choices need n slots at once; this server has {self.config.n_parallel}")
         tokens = self._checked_tokens(prompt_tokens, params)
-        request = Request(next(self._ids), tokens, params)
-        handle = RequestHandle(request, self._wake)
+        group = []
+        for i in range(n):
+            choice = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+            request = Request(next(self._ids), tokens, choice)
+            group.append((request, RequestHandle(request, self._wake)))
         with self._intake:
             if self._stopping or self._stopped:
                 raise EngineStoppedError("the engine is not running: " + SHUTTING_DOWN)
-            self._check_queue()
-            self._inbox.put((request, handle))
+            self._check_queue(n)
+            self._inbox.put(group)
         self._wake.set()
-        return handle
+        return [handle for _, handle in group]
 
     def stats(self) -> dict[str, Any]:
         """Slots, queue and counters (for /slots, metrics, tests) as plain values."""
@@ -169,7 +180,7 @@ class Engine:
     @property
     def queue_depth(self) -> int:
         """Requests waiting for a slot (an estimate while the step thread is moving them)."""
-        return len(self._scheduler.waiting) + self._inbox.qsize()
+        return self._scheduler.n_waiting + self._inbox.qsize()
 
     def reconfigure(self, config: EngineConfig, timeout: float | None = None) -> None:
         """Switch to a new config: drain running requests, rebuild the context (weights kept when the model
@@ -222,12 +233,12 @@ class Engine:
             raise PromptTooLongError(len(prompt_tokens), n_requested, self._n_ctx_slot)
         return [int(t) for t in prompt_tokens]
 
-    def _check_queue(self) -> None:
+    def _check_queue(self, n: int) -> None:
         if self.max_queued is None:
             return
         free = sum(1 for v in self._scheduler.slot_views() if v.request_id is None)
         queued = self.queue_depth
-        if queued - free >= self.max_queued:
+        if queued + n - free > self.max_queued:
             rate = self._scheduler.requests_per_s
             wait = (queued + 1) / rate if rate > 0 else 1.0
             raise QueueFullError(queued, self.max_queued, max(1, min(60, math.ceil(wait))))
@@ -289,11 +300,12 @@ class Engine:
     def _take_inbox(self) -> None:
         while True:
             try:
-                request, handle = self._inbox.get_nowait()
+                group = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            self._outputs.add(request, handle)
-            self._scheduler.add(request)
+            for request, handle in group:
+                self._outputs.add(request, handle)
+            self._scheduler.add([request for request, _ in group])
 
     def _run_commands(self) -> None:
         """Pause admission while a command waits; run commands once the slots are idle; then resume."""

@@ -381,6 +381,12 @@ class LlamaContext:
         if self.ptr:
             ll.llama_memory_seq_rm(self.memory, seq_id, from_pos, -1)
 
+    def copy_seq(self, src: int, dst: int) -> None:
+        """Give slot `dst` a copy of slot `src`'s cells. Each slot is its own K/V stream (kv_unified off),
+        and llama.cpp copies a whole stream's buffers at the next decode; it accepts only full-range copies
+        across streams (p0 = p1 = -1), which is what sharing a prompt needs."""
+        ll.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
 

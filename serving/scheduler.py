@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # Messages a client may see (details go to the log).
 DECODE_FAILED = "the model failed to evaluate this request's batch (llama_decode error {rc}); retry it"
 SAMPLER_FAILED = "sampling the next token failed for this request"
+TOO_MANY_CHOICES = "{n} choices need {n} slots at once, but this server has {slots}: ask for fewer"
 NO_LONGER_FITS = ("the prompt ({n} tokens) no longer fits a slot ({slot} tokens) after a configuration change: "
                   "shorten it or ask the operator for a larger context")
 
@@ -67,6 +68,8 @@ class ModelContext(Protocol):
     def new_sampler(self, params: SamplingParams, default_seed: int) -> TokenSampler: ...
 
     def forget(self, seq_id: int, from_pos: int = 0) -> None: ...
+
+    def copy_seq(self, src: int, dst: int) -> None: ...
 
     def is_eog(self, token: int) -> bool: ...
 
@@ -109,12 +112,14 @@ class Slot:
     usage: Usage = field(default_factory=Usage)
     t_first: float = 0.0
     last_used: float = 0.0
+    clones: list[Slot] = field(default_factory=list)  # other choices of this request, waiting for its prompt
+    leader: Slot | None = None  # the slot whose prompt this choice will copy
 
     @property
     def state(self) -> SlotState:
         if self.request is None:
             return SlotState.idle
-        return SlotState.prefill if self.pending else SlotState.generate
+        return SlotState.prefill if self.pending or self.leader is not None else SlotState.generate
 
 
 @dataclass
@@ -148,7 +153,7 @@ class Scheduler:
     """Owned by the engine's step thread: nothing here is called from any other thread but `snapshot`."""
 
     def __init__(self, ctx: ModelContext, n_parallel: int, default_seed: int) -> None:
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting: collections.deque[list[Request]] = collections.deque()  # groups: a request's choices
         self.admitting = True  # the engine pauses admission while a command waits for the slots to drain
         self.counters = Counters()
         self.requests_per_s = 0.0  # recent finish rate (EMA), for Retry-After estimates
@@ -161,8 +166,13 @@ class Scheduler:
         self._ctx, self._seed = ctx, default_seed
         self.slots = [Slot(seq_id=i) for i in range(n_parallel)]
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add(self, choices: list[Request]) -> None:
+        """Queue one request: its `n` choices share one prompt, prefilled once and copied (n slots at once)."""
+        self.waiting.append(choices)
+
+    @property
+    def n_waiting(self) -> int:
+        return sum(len(group) for group in list(self.waiting))
 
     @property
     def drained(self) -> bool:
@@ -188,6 +198,7 @@ class Scheduler:
         if ctx.batch_size == 0:
             return outputs, False
         if self._decode(outputs):
+            self._share_prompts()
             self._sample(outputs)
         return outputs, True
 
@@ -227,13 +238,25 @@ class Scheduler:
             return True
         self.counters.decode_failures += 1
         log.error("llama_decode returned %d for a batch of %d tokens", rc, self._ctx.batch_size)
+        message = DECODE_FAILED.format(rc=rc)
         for slot in self.slots:
             if slot.seq_id in self._in_batch:
                 if slot.request is not None:
-                    outputs.append(self._end(slot, FinishReason.error, DECODE_FAILED.format(rc=rc)))
+                    outputs += self._end_with_clones(slot, FinishReason.error, message)
                 self._ctx.forget(slot.seq_id)
                 slot.cache.clear()
         return False
+
+    def _share_prompts(self) -> None:
+        """A prompt whose last chunk was just decoded: copy its cells to the request's other choices, which
+        then sample from the same logits row (one prefill for n choices)."""
+        for slot in self.slots:
+            if slot.clones and slot.logits_row >= 0:
+                for clone in slot.clones:
+                    self._ctx.copy_seq(slot.seq_id, clone.seq_id)
+                    clone.cache = list(slot.cache)
+                    clone.logits_row, clone.leader = slot.logits_row, None
+                slot.clones = []
 
     def _sample(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -269,25 +292,60 @@ class Scheduler:
 
     # -- admission -----------------------------------------------------------------------------------
     def _admit(self) -> list[RequestOutput]:
+        """Move waiting requests into free slots, first come first served; a request with n choices waits
+        until n slots are free at once."""
         outputs: list[RequestOutput] = []
         free = [s for s in self.slots if s.request is None]
         while free and self.waiting:
-            request = self.waiting.popleft()
-            n_prompt = len(request.prompt_tokens)
-            if n_prompt + 1 > self._ctx.n_ctx_seq:  # queued before a reconfigure shrank the slots
-                self.counters.requests_failed += 1
-                outputs.append(RequestOutput(request, Usage(n_prompt), finish=FinishReason.error,
-                                             error=NO_LONGER_FITS.format(n=n_prompt, slot=self._ctx.n_ctx_seq)))
+            group = self.waiting[0]
+            problem = self._unfit(group)
+            if problem is None and len(group) > len(free):
+                return outputs
+            self.waiting.popleft()
+            if problem is not None:  # queued before a reconfigure shrank the slots
+                self.counters.requests_failed += len(group)
+                outputs += [RequestOutput(r, Usage(len(r.prompt_tokens)), finish=FinishReason.error, error=problem)
+                            for r in group]
                 continue
-            slot, shared = self._pick_slot(free, request.prompt_tokens)
-            free.remove(slot)
-            try:
-                self._assign(slot, request, shared)
-            except Exception:  # e.g. its sampler chain could not be built: only this request fails
-                log.exception("could not start request %d", request.id)
-                outputs.append(self._end(slot, FinishReason.error, SAMPLER_FAILED))
-                free.append(slot)
+            outputs += self._start(group, free)
         return outputs
+
+    def _unfit(self, group: list[Request]) -> str | None:
+        n_prompt = len(group[0].prompt_tokens)
+        if n_prompt + 1 > self._ctx.n_ctx_seq:
+            return NO_LONGER_FITS.format(n=n_prompt, slot=self._ctx.n_ctx_seq)
+        if len(group) > len(self.slots):
+            return TOO_MANY_CHOICES.format(n=len(group), slots=len(self.slots))
+        return None
+
+    def _start(self, group: list[Request], free: list[Slot]) -> list[RequestOutput]:
+        """Assign a request's choices: the first prefills (reusing the best cached prefix), the others copy."""
+        leader_request, *others = group
+        leader, shared = self._pick_slot(free, leader_request.prompt_tokens)
+        free.remove(leader)
+        if not self._try_assign(leader, leader_request, shared):
+            self.counters.requests_failed += len(others)
+            return [self._end(leader, FinishReason.error, SAMPLER_FAILED)] + [
+                RequestOutput(r, Usage(len(r.prompt_tokens)), finish=FinishReason.error, error=SAMPLER_FAILED)
+                for r in others]
+        outputs: list[RequestOutput] = []
+        for request in others:
+            clone = min(free, key=lambda s: s.last_used)
+            free.remove(clone)
+            clone.leader = leader
+            leader.clones.append(clone)
+            if not self._try_assign(clone, request, 0):
+                outputs.append(self._end(clone, FinishReason.error, SAMPLER_FAILED))
+        return outputs
+
+    def _try_assign(self, slot: Slot, request: Request, shared: int) -> bool:
+        try:
+            self._assign(slot, request, shared)
+            return True
+        except Exception:  # e.g. its sampler chain could not be built: only this request fails
+            log.exception("could not start request %d", request.id)
+            slot.request = request
+            return False
 
     def _pick_slot(self, free: list[Slot], prompt: list[int]) -> tuple[Slot, int]:
         """The free slot sharing the longest cached prefix with `prompt` (ties and no match: least recently
@@ -305,9 +363,9 @@ class Scheduler:
         del slot.cache[reuse:]
         params = request.params
         slot.request = request
-        slot.pending = prompt[reuse:]
+        slot.pending = prompt[reuse:] if slot.leader is None else []  # a clone gets the leader's cells
         slot.next_token, slot.logits_row = None, -1
-        slot.usage = Usage(prompt_tokens=len(prompt), cached_tokens=reuse)
+        slot.usage = Usage(prompt_tokens=len(prompt), cached_tokens=reuse if slot.leader is None else 0)
         room = self._ctx.n_ctx_seq - len(prompt)
         slot.limit = min(params.max_tokens, room) if params.max_tokens else room
         slot.sampler = None
@@ -342,11 +400,23 @@ class Scheduler:
             self._note_finish()
         if slot.sampler is not None:
             slot.sampler.free()
+        if slot.leader is not None:  # a choice that ends before its prompt was shared with it
+            slot.leader.clones.remove(slot)
+            slot.leader = None
         slot.request = slot.sampler = None
         slot.pending = []
         slot.next_token, slot.logits_row = None, -1
         slot.last_used = time.perf_counter()
         return RequestOutput(request, usage, token=token, finish=reason, error=error, logprob=logprob)
+
+    def _end_with_clones(self, slot: Slot, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
+        """End a slot, and the choices still waiting for its prompt (they have no prompt without it)."""
+        clones, slot.clones = slot.clones, []
+        outputs = [self._end(slot, reason, error)]
+        for clone in clones:
+            clone.leader = None
+            outputs.append(self._end(clone, reason, error))
+        return outputs
 
     def _note_finish(self) -> None:
         now = time.perf_counter()
@@ -356,17 +426,21 @@ class Scheduler:
         self._last_finish = now
 
     def _drop_cancelled(self) -> list[RequestOutput]:
-        outputs = [self._end(s, FinishReason.cancelled) for s in self.slots
-                   if s.request is not None and s.request.cancelled]
-        if any(r.cancelled for r in self.waiting):
-            kept: collections.deque[Request] = collections.deque()
-            for request in self.waiting:
-                if request.cancelled:
-                    self.counters.requests_cancelled += 1
-                    outputs.append(RequestOutput(request, Usage(len(request.prompt_tokens)),
-                                                 finish=FinishReason.cancelled))
-                else:
-                    kept.append(request)
+        outputs: list[RequestOutput] = []
+        for slot in self.slots:
+            if slot.request is not None and slot.request.cancelled:
+                outputs += self._end_with_clones(slot, FinishReason.cancelled)
+        if any(r.cancelled for group in self.waiting for r in group):
+            kept: collections.deque[list[Request]] = collections.deque()
+            for group in self.waiting:
+                for request in group:
+                    if request.cancelled:
+                        self.counters.requests_cancelled += 1
+                        outputs.append(RequestOutput(request, Usage(len(request.prompt_tokens)),
+                                                     finish=FinishReason.cancelled))
+                rest = [r for r in group if not r.cancelled]
+                if rest:
+                    kept.append(rest)
             self.waiting = kept
         return outputs
 
@@ -386,10 +460,10 @@ class Scheduler:
             slot.cache.clear()
         if waiting_too:
             while self.waiting:
-                request = self.waiting.popleft()
-                self.counters.requests_failed += 1
-                outputs.append(RequestOutput(request, Usage(len(request.prompt_tokens)),
-                                             finish=FinishReason.error, error=message))
+                for request in self.waiting.popleft():
+                    self.counters.requests_failed += 1
+                    outputs.append(RequestOutput(request, Usage(len(request.prompt_tokens)),
+                                                 finish=FinishReason.error, error=message))
         return outputs
 
     # -- observation (any thread) --------------------------------------------------------------------

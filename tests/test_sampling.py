@@ -56,3 +56,17 @@ def test_logprobs_one_per_token_from_the_raw_distribution(engine: Engine) -> Non
         assert lp.top[0] == (lp.token, lp.logprob)  # greedy: the chosen token is the most likely
         assert sum(math.exp(v) for _, v in lp.top) <= 1.0 + 1e-6
         assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+def test_n_choices_share_one_prefill_and_match_solo_runs(engine: Engine) -> None:
+    prompt = _prompt(engine, "Write a line about the sea.")
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=40)
+    solo = [collect(engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0.9, seed=40 + i))).text
+            for i in range(3)]
+    before = engine.stats()["counters"]["prompt_tokens_evaluated"]
+    choices = [collect(h).text for h in engine.submit_choices(prompt, params, 3)]
+    evaluated = engine.stats()["counters"]["prompt_tokens_evaluated"] - before
+    assert choices == solo
+    assert evaluated <= len(prompt)  # one prefill at most (a cached prefix makes it less)
+    with pytest.raises(ValueError, match="slots"):
+        engine.submit_choices(prompt, params, engine.config.n_parallel + 1)

@@ -88,6 +88,9 @@ class FakeContext:
     def forget(self, seq_id: int, from_pos: int = 0) -> None:
         del self.kv.setdefault(seq_id, [])[from_pos:]
 
+    def copy_seq(self, src: int, dst: int) -> None:
+        self.kv[dst] = list(self.kv[src])
+
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
@@ -130,9 +133,9 @@ def test_requests_beyond_the_slots_wait_and_run_in_arrival_order() -> None:
     s, ctx = make(n_parallel=2)
     rs = [req([1, 2, 3]) for _ in range(5)]
     for r in rs:
-        s.add(r)
+        s.add([r])
     out, _ = s.step()
-    assert [slot.request for slot in s.slots] == rs[:2] and list(s.waiting) == rs[2:]
+    assert [slot.request for slot in s.slots] == rs[:2] and list(s.waiting) == [[r] for r in rs[2:]]
     out += run(s, ctx)
     done = ends(out)
     assert all(done[r.id].finish == FinishReason.length for r in rs)
@@ -142,9 +145,9 @@ def test_requests_beyond_the_slots_wait_and_run_in_arrival_order() -> None:
 
 def test_one_decode_per_step_carries_every_generating_slot_and_prompt_chunks() -> None:
     s, ctx = make(n_parallel=3, batch_capacity=8)
-    s.add(req([1, 2]))
+    s.add([req([1, 2])])
     s.step()  # prompt of the first request
-    s.add(req(list(range(10, 30))))  # 20-token prompt: needs three steps of chunks
+    s.add([req(list(range(10, 30)))])  # 20-token prompt: needs three steps of chunks
     s.step()
     assert ctx.decodes == 2
     gen_rows = [r for r in ctx.rows if r[2] == 0]
@@ -154,17 +157,17 @@ def test_one_decode_per_step_carries_every_generating_slot_and_prompt_chunks() -
 def test_prefix_reuse_picks_the_slot_sharing_the_longest_prefix() -> None:
     s, ctx = make(n_parallel=2)
     a, b = req([1, 2, 3, 4, 5]), req([7, 8, 9])
-    s.add(a)
-    s.add(b)
+    s.add([a])
+    s.add([b])
     run(s, ctx)
     slot_of_a = next(slot for slot in s.slots if slot.cache[:5] == [1, 2, 3, 4, 5])
     follow = req([1, 2, 3, 4, 5, 50, 51])
-    s.add(follow)
+    s.add([follow])
     out = run(s, ctx)
     assert ends(out)[follow.id].usage.cached_tokens == 5
     assert s.slots[slot_of_a.seq_id].cache[:7] == [1, 2, 3, 4, 5, 50, 51]
     same = req([1, 2, 3, 4, 5, 50, 51])  # an identical prompt still decodes its last token for logits
-    s.add(same)
+    s.add([same])
     assert ends(run(s, ctx))[same.id].usage.cached_tokens == 6
 
 
@@ -172,7 +175,7 @@ def test_eos_ends_with_stop_and_is_not_counted() -> None:
     s, ctx = make()
     r = req([1, 2, 3], SamplingParams(max_tokens=10, temperature=0.0))
     ctx.eos_after[0] = 5  # after 3 prompt + 2 generated tokens decoded, the model says EOS
-    s.add(r)
+    s.add([r])
     out = run(s, ctx)
     assert tokens_of(out, r) == [4, 5] and ends(out)[r.id].finish == FinishReason.stop
     assert ends(out)[r.id].usage.completion_tokens == 2
@@ -181,7 +184,7 @@ def test_eos_ends_with_stop_and_is_not_counted() -> None:
 def test_generation_stops_at_the_slot_end_without_max_tokens() -> None:
     s, ctx = make(n_ctx_seq=16)
     r = req(list(range(10)), SamplingParams(max_tokens=None, temperature=0.0))
-    s.add(r)
+    s.add([r])
     done = ends(run(s, ctx))[r.id]
     assert done.finish == FinishReason.length and done.usage.completion_tokens == 6
     assert done.usage.prompt_tokens + done.usage.completion_tokens == 16
@@ -191,12 +194,12 @@ def test_generation_stops_at_the_slot_end_without_max_tokens() -> None:
 def test_a_failed_decode_fails_only_the_requests_in_that_batch() -> None:
     s, ctx = make(n_parallel=3, batch_capacity=4)
     gen, big, queued = req([1, 2]), req(list(range(10, 20))), req([5])
-    s.add(gen)
+    s.add([gen])
     s.step()  # gen's prompt decoded: it generates from now on
-    s.add(big)
+    s.add([big])
     s.step()  # big takes its first chunk of 3 alongside gen's token
     idle_slot = s.slots[2]
-    s.add(queued)
+    s.add([queued])
     ctx.rc = -3
     out, _ = s.step()
     failed = ends(out)
@@ -215,7 +218,7 @@ def test_a_failing_sampler_fails_only_its_request() -> None:
     good, bad, greedy = (req([1], SamplingParams(max_tokens=3, temperature=0.8, seed=1)),
                          req([1], SamplingParams(max_tokens=3, temperature=0.8, seed=13)), req([2]))
     for r in (good, bad, greedy):
-        s.add(r)
+        s.add([r])
     out = run(s, ctx)
     done = ends(out)
     assert done[bad.id].finish == FinishReason.error and done[bad.id].error == SAMPLER_FAILED
@@ -226,16 +229,16 @@ def test_a_failing_sampler_fails_only_its_request() -> None:
 def test_a_sampler_that_cannot_be_built_fails_only_its_request() -> None:
     s, ctx = make(n_parallel=1)
     bad, good = req([1], SamplingParams(max_tokens=2, temperature=0.5, seed=666)), req([1])
-    s.add(bad)
-    s.add(good)
+    s.add([bad])
+    s.add([good])
     done = ends(run(s, ctx))
     assert done[bad.id].finish == FinishReason.error and done[good.id].finish == FinishReason.length
 
 
 def test_penalties_see_the_prompt_tail() -> None:
     s, ctx = make()
-    s.add(req(list(range(1, 11)), SamplingParams(max_tokens=1, temperature=0.0, repeat_penalty=1.3,
-                                                   penalty_last_n=4)))
+    s.add([req(list(range(1, 11)), SamplingParams(max_tokens=1, temperature=0.0, repeat_penalty=1.3,
+                                                    penalty_last_n=4))])
     s.step()
     assert ctx.samplers[0].accepted == [7, 8, 9, 10]
 
@@ -244,8 +247,8 @@ def test_penalties_see_the_prompt_tail() -> None:
 def test_cancel_while_waiting() -> None:
     s, ctx = make(n_parallel=1)
     running, waiting = req([1]), req([2])
-    s.add(running)
-    s.add(waiting)
+    s.add([running])
+    s.add([waiting])
     s.step()
     waiting.cancelled = True
     out, _ = s.step()
@@ -255,21 +258,21 @@ def test_cancel_while_waiting() -> None:
 def test_cancel_mid_prefill_keeps_a_valid_prefix() -> None:
     s, ctx = make(n_parallel=1, batch_capacity=4)
     r = req(list(range(10, 22)))
-    s.add(r)
+    s.add([r])
     s.step()  # first chunk of 4
     r.cancelled = True
     out, _ = s.step()
     assert ends(out)[r.id].finish == FinishReason.cancelled
     assert s.slots[0].cache == [10, 11, 12, 13] == ctx.kv[0]
     again = req(list(range(10, 22)))
-    s.add(again)
+    s.add([again])
     assert ends(run(s, ctx))[again.id].usage.cached_tokens == 4
 
 
 def test_cancel_while_generating_drops_the_undecoded_token() -> None:
     s, ctx = make(n_parallel=1)
     r = req([1, 2], SamplingParams(max_tokens=50, temperature=0.0))
-    s.add(r)
+    s.add([r])
     for _ in range(3):
         s.step()
     r.cancelled = True
@@ -282,7 +285,7 @@ def test_cancel_while_generating_drops_the_undecoded_token() -> None:
 def test_cancel_after_the_end_changes_nothing() -> None:
     s, ctx = make(n_parallel=1)
     r = req([1])
-    s.add(r)
+    s.add([r])
     run(s, ctx)
     r.cancelled = True
     assert run(s, ctx) == [] and s.counters.requests_cancelled == 0
@@ -291,7 +294,7 @@ def test_cancel_after_the_end_changes_nothing() -> None:
 def test_finish_from_outside_frees_the_slot_at_once() -> None:
     s, ctx = make(n_parallel=1)
     r = req([1], SamplingParams(max_tokens=50, temperature=0.0))
-    s.add(r)
+    s.add([r])
     s.step()
     s.finish(r.id, FinishReason.stop)
     assert s.drained and s.slots[0].next_token is None and s.counters.requests_finished == 1
@@ -302,8 +305,8 @@ def test_queued_prompt_that_no_longer_fits_after_a_reconfigure_fails_cleanly() -
     s, ctx = make(n_parallel=1, n_ctx_seq=64)
     long_prompt, short = req(list(range(40))), req([1, 2])
     s.admitting = False  # the engine pauses admission while a reconfigure waits
-    s.add(long_prompt)
-    s.add(short)
+    s.add([long_prompt])
+    s.add([short])
     assert s.step() == ([], False) and len(s.waiting) == 2
     s.rebind(FakeContext(n_ctx_seq=32), n_parallel=2, default_seed=1)
     s.admitting = True
@@ -315,8 +318,8 @@ def test_queued_prompt_that_no_longer_fits_after_a_reconfigure_fails_cleanly() -
 def test_abort_on_shutdown_ends_running_and_waiting() -> None:
     s, ctx = make(n_parallel=1)
     a, b = req([1], SamplingParams(max_tokens=50, temperature=0.0)), req([2])
-    s.add(a)
-    s.add(b)
+    s.add([a])
+    s.add([b])
     s.step()
     done = ends(s.abort("bye", waiting_too=True))
     assert done[a.id].error == done[b.id].error == "bye" and s.drained and not s.waiting
@@ -343,7 +346,7 @@ def test_stop_strings_end_the_request_and_free_its_slot_before_delivery() -> Non
     outputs = OutputProcessor(PIECES.__getitem__)
     r = req([1], SamplingParams(max_tokens=20, temperature=0.0, stop=("<4>",)))
     handle = _Handle(r)
-    s.add(r)
+    s.add([r])
     outputs.add(r, handle)
     seen_busy_at_last_push: list[bool] = []
     for _ in range(10):
@@ -427,7 +430,56 @@ def test_logprobs_ride_with_their_tokens() -> None:
     ctx = WithLogprobs()
     s = Scheduler(ctx, 1, default_seed=1)
     r = req([1], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2))
-    s.add(r)
+    s.add([r])
     out = run(s, ctx)
     assert [o.logprob.token for o in out if o.logprob] == tokens_of(out, r) == [2, 3, 4]
     assert all(len(o.logprob.top) == 2 for o in out if o.logprob)
+
+
+# -- n choices of one prompt -------------------------------------------------------------------------
+def test_n_choices_share_one_prefill_and_run_together() -> None:
+    s, ctx = make(n_parallel=3, batch_capacity=4)
+    prompt = list(range(10, 20))
+    choices = [req(prompt, SamplingParams(max_tokens=3, temperature=0.5, seed=i)) for i in range(3)]
+    s.add(choices)
+    out = run(s, ctx)
+    assert s.counters.prompt_tokens_evaluated == len(prompt)  # one prefill, copied twice
+    done = ends(out)
+    assert all(done[c.id].finish == FinishReason.length for c in choices)
+    assert all(tokens_of(out, c) == [20, 21, 22] for c in choices)
+    assert all(slot.cache[:10] == prompt for slot in s.slots)
+
+
+def test_n_choices_wait_for_n_free_slots() -> None:
+    s, ctx = make(n_parallel=2)
+    first = req([1], SamplingParams(max_tokens=3, temperature=0.0))
+    s.add([first])
+    pair = [req([5]), req([5])]
+    s.add(pair)
+    s.step()
+    assert len(s.waiting) == 1  # one slot is free, the pair needs two
+    out = run(s, ctx)
+    assert all(ends(out)[r.id].finish == FinishReason.length for r in pair)
+
+
+def test_choices_waiting_for_a_cancelled_prefill_end_with_it() -> None:
+    s, ctx = make(n_parallel=3, batch_capacity=4)
+    choices = [req(list(range(10, 30))) for _ in range(3)]
+    s.add(choices)
+    s.step()
+    choices[0].cancelled = True
+    out, _ = s.step()
+    assert {o.request.id: o.finish for o in out} == {c.id: FinishReason.cancelled for c in choices}
+    assert s.drained
+
+
+def test_more_choices_than_slots_after_a_reconfigure_fail_cleanly() -> None:
+    s, ctx = make(n_parallel=3)
+    s.admitting = False
+    group = [req([1]) for _ in range(3)]
+    s.add(group)
+    s.step()
+    s.rebind(FakeContext(), n_parallel=2, default_seed=1)
+    s.admitting = True
+    out = ends(run(s, s._ctx))  # noqa: SLF001
+    assert all(out[r.id].finish == FinishReason.error and "choices" in out[r.id].error for r in group)
