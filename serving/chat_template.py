@@ -38,11 +38,19 @@ class ChatTemplate:
         self._template = env.from_string(self.source)
         self._bos, self._eos = bos_token, eos_token
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the template renders a `tools` list itself (Qwen2.5/3, Llama 3.1+, Hermes do)."""
+        return "tools" in self.source
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
+        """Render as Hugging Face's apply_chat_template does: `tools` in OpenAI's shape, extra keyword
+        arguments (e.g. `enable_thinking`) visible to the template as variables."""
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos, eos_token=self._eos,
+                **template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
+                tools=tools, bos_token=self._bos, eos_token=self._eos,
             )
         except ChatTemplateError:
             raise

@@ -132,9 +132,24 @@ class Engine:
         """Tokenise a prompt as llama-server does (specials parsed, BOS when the vocabulary adds one)."""
         return self._with_model(lambda m: m.tokenize(text))
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    **template_kwargs: Any) -> str:
         """Render chat messages with the model's own template (from the GGUF metadata)."""
-        return self._template.render(messages)
+        return self._template.render(messages, tools=tools, **template_kwargs)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        return self._template
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """Text of token ids as generation would show it (control tokens render as nothing)."""
+        self._check_ids(tokens)
+        return self._with_model(lambda m: b"".join(m.token_bytes(t) for t in tokens)).decode("utf-8", "replace")
+
+    def token_piece(self, token: int) -> bytes:
+        """One token's raw bytes (can be part of a UTF-8 character)."""
+        self._check_ids([token])
+        return self._with_model(lambda m: m.token_bytes(token))
 
     def submit(self, prompt_tokens: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request; iterate the returned handle for its output. Thread-safe.
@@ -221,9 +236,7 @@ class Engine:
     def _checked_tokens(self, prompt_tokens: list[int], params: SamplingParams) -> list[int]:
         if not prompt_tokens:
             raise ValueError("the prompt is empty: send at least one token of text")
-        tokens = np.asarray(prompt_tokens)
-        if tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() >= self.n_vocab:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.n_vocab})")
+        self._check_ids(prompt_tokens)
         if any(not 0 <= t < self.n_vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {self.n_vocab})")
         if params.grammar is not None and not self._with_model(lambda m: m.grammar_parses(params.grammar)):
@@ -232,6 +245,14 @@ class Engine:
         if len(prompt_tokens) + max(n_requested, 1) > self._n_ctx_slot:
             raise PromptTooLongError(len(prompt_tokens), n_requested, self._n_ctx_slot)
         return [int(t) for t in prompt_tokens]
+
+    def _check_ids(self, tokens: list[int]) -> None:
+        """Token ids reach llama.cpp's vocabulary tables unchecked: an id outside them is a crash."""
+        if not tokens:
+            return
+        ids = np.asarray(tokens)
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.n_vocab:
+            raise ValueError(f"token ids must be integers in [0, {self.n_vocab})")
 
     def _check_queue(self, n: int) -> None:
         if self.max_queued is None:
