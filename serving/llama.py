@@ -24,6 +24,7 @@ numpy_was_first = "numpy" in sys.modules
 
 import ray  # noqa: E402,F401  (ray's _raylet.so must load before libllama: see above)
 import llama_cpp.llama_cpp as ll  # noqa: E402
+from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter  # noqa: E402,F401  (pure Python; for structured.py)
 
 import numpy as np  # noqa: E402
 
