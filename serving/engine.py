@@ -90,7 +90,7 @@ class Engine:
         self._model: LlamaModel | None = self._load_model(config)
         self._template = self._chat_template(self._model)
         self._ctx = LlamaContext(self._model, config, default_threads())
-        self._scheduler = Scheduler(self._ctx, config.n_parallel, config.seed)
+        self._scheduler = Scheduler(self._ctx, config.n_parallel, config.seed, config.speculation)
         self._outputs = OutputProcessor(self._model.token_bytes)
         self._n_ctx_slot = self._ctx.n_ctx_seq
         self._wake = threading.Event()
@@ -439,7 +439,7 @@ class Engine:
             self._template = self._chat_template(model)
             self._outputs.rebind(model.token_bytes)
         self._ctx, self.config, self._n_ctx_slot = ctx, config, ctx.n_ctx_seq
-        self._scheduler.rebind(ctx, config.n_parallel, config.seed)
+        self._scheduler.rebind(ctx, config.n_parallel, config.seed, config.speculation)
 
     def _drop_model(self) -> None:
         with self._model_lock:

@@ -363,8 +363,9 @@ class LlamaContext:
     def clear_batch(self) -> None:
         self.batch.clear()
 
-    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool) -> int:
-        return self.batch.add(tokens, start_pos, seq_id, want_logits)
+    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool,
+                     all_logits: bool = False) -> int:
+        return self.batch.add(tokens, start_pos, seq_id, want_logits, all_logits)
 
     def decode(self) -> int:
         """Run the current batch through the model (the ctypes call releases the GIL while llama.cpp works)."""

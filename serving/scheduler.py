@@ -25,6 +25,7 @@ from enum import Enum
 from typing import Protocol
 
 from serving.request import FinishReason, Request, SamplingParams, TokenLogprob, Usage
+from serving.speculate import PromptLookup, SpecSettings
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class ModelContext(Protocol):
 
     def clear_batch(self) -> None: ...
 
-    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool) -> int: ...
+    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool,
+                     all_logits: bool = False) -> int: ...
 
     def decode(self) -> int: ...
 
@@ -114,6 +116,8 @@ class Slot:
     last_used: float = 0.0
     clones: list[Slot] = field(default_factory=list)  # other choices of this request, waiting for its prompt
     leader: Slot | None = None  # the slot whose prompt this choice will copy
+    drafter: PromptLookup | None = None  # speculation: guesses tokens from the request's own text
+    draft: list[int] = field(default_factory=list)  # guesses in the batch being decoded, after next_token
 
     @property
     def state(self) -> SlotState:
@@ -135,6 +139,8 @@ class Counters:
     generated_tokens: int = 0
     decode_calls: int = 0
     decode_failures: int = 0
+    spec_drafted: int = 0  # tokens guessed and verified
+    spec_accepted: int = 0  # of those, kept
 
 
 @dataclass(frozen=True)
@@ -152,18 +158,20 @@ class SlotView:
 class Scheduler:
     """Owned by the engine's step thread: nothing here is called from any other thread but `snapshot`."""
 
-    def __init__(self, ctx: ModelContext, n_parallel: int, default_seed: int) -> None:
+    def __init__(self, ctx: ModelContext, n_parallel: int, default_seed: int,
+                 spec: SpecSettings | None = None) -> None:
         self.waiting: collections.deque[list[Request]] = collections.deque()  # groups: a request's choices
         self.admitting = True  # the engine pauses admission while a command waits for the slots to drain
         self.counters = Counters()
         self.requests_per_s = 0.0  # recent finish rate (EMA), for Retry-After estimates
         self._last_finish = 0.0
         self._in_batch: set[int] = set()  # seq ids with rows in the batch being decoded
-        self.rebind(ctx, n_parallel, default_seed)
+        self.rebind(ctx, n_parallel, default_seed, spec)
 
-    def rebind(self, ctx: ModelContext, n_parallel: int, default_seed: int) -> None:
+    def rebind(self, ctx: ModelContext, n_parallel: int, default_seed: int,
+               spec: SpecSettings | None = None) -> None:
         """Use a (new) context; all slots start empty. Only called while no slot is busy."""
-        self._ctx, self._seed = ctx, default_seed
+        self._ctx, self._seed, self._spec = ctx, default_seed, spec
         self.slots = [Slot(seq_id=i) for i in range(n_parallel)]
 
     def add(self, choices: list[Request]) -> None:
@@ -190,10 +198,17 @@ class Scheduler:
             outputs += self._admit()
         ctx = self._ctx
         ctx.clear_batch()
-        self._in_batch = {s.seq_id for s in self.slots if s.next_token is not None}
-        for slot in self.slots:
-            if slot.next_token is not None:
-                slot.logits_row = ctx.add_to_batch([slot.next_token], len(slot.cache), slot.seq_id, True)
+        generating = [s for s in self.slots if s.next_token is not None]
+        self._in_batch = {s.seq_id for s in generating}
+        busy = sum(1 for s in self.slots if s.request is not None)
+        speculate = self._spec is not None and busy <= self._spec.max_busy
+        room = ctx.batch_capacity - len(generating)
+        for slot in generating:
+            slot.draft = self._draft(slot, room) if speculate else []
+            room -= len(slot.draft)
+            last = ctx.add_to_batch([slot.next_token, *slot.draft], len(slot.cache), slot.seq_id, True,
+                                    all_logits=bool(slot.draft))
+            slot.logits_row = last - len(slot.draft)
         self._add_prompt_chunks()
         if ctx.batch_size == 0:
             return outputs, False
@@ -201,6 +216,15 @@ class Scheduler:
             self._share_prompts()
             self._sample(outputs)
         return outputs, True
+
+    def _draft(self, slot: Slot, room: int) -> list[int]:
+        """Guesses to verify after the slot's next token: no more than the batch, the request's remaining
+        tokens and the slot's cells allow (k guesses yield up to k + 1 tokens)."""
+        if slot.drafter is None or self._spec is None:
+            return []
+        k = min(self._spec.draft_max, room, slot.limit - slot.usage.completion_tokens - 1,
+                self._ctx.n_ctx_seq - len(slot.cache) - 2)
+        return slot.drafter.propose([*slot.cache, slot.next_token], k) if k > 0 else []
 
     def _add_prompt_chunks(self) -> None:
         ctx = self._ctx
@@ -230,7 +254,7 @@ class Scheduler:
         """
         for slot in self.slots:
             if slot.next_token is not None:
-                slot.cache.append(slot.next_token)
+                slot.cache += [slot.next_token, *slot.draft]
                 slot.next_token = None
         rc = self._ctx.decode()
         self.counters.decode_calls += 1
@@ -245,6 +269,7 @@ class Scheduler:
                     outputs += self._end_with_clones(slot, FinishReason.error, message)
                 self._ctx.forget(slot.seq_id)
                 slot.cache.clear()
+                slot.draft = []
         return False
 
     def _share_prompts(self) -> None:
@@ -261,18 +286,39 @@ class Scheduler:
     def _sample(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         for slot in self.slots:
-            if slot.logits_row < 0 or slot.request is None:
-                continue
-            row, slot.logits_row = slot.logits_row, -1
-            top_n = slot.request.params.logprobs
+            if slot.logits_row >= 0 and slot.request is not None:
+                self._sample_slot(slot, outputs, now)
+
+    def _sample_slot(self, slot: Slot, outputs: list[RequestOutput], now: float) -> None:
+        """Sample the slot's next token; with guesses in the batch, verify them in order with the request's
+        own sampler, keep each guess the sampler drew itself, and roll the cache back past the first miss."""
+        row, slot.logits_row = slot.logits_row, -1
+        draft, slot.draft = slot.draft, []
+        request = slot.request
+        assert request is not None
+        accepted = 0
+        for i in range(len(draft) + 1):
             try:
-                token = self._ctx.greedy(row) if slot.sampler is None else slot.sampler.sample(row)
-                logprob = None if top_n is None else self._ctx.logprobs(row, token, top_n)
+                token = self._ctx.greedy(row + i) if slot.sampler is None else slot.sampler.sample(row + i)
+                top_n = request.params.logprobs
+                logprob = None if top_n is None else self._ctx.logprobs(row + i, token, top_n)
             except Exception:  # one request's sampler: that request fails, its neighbours go on
-                log.exception("sampling failed for request %d", slot.request.id)
+                log.exception("sampling failed for request %d", request.id)
                 outputs.append(self._end(slot, FinishReason.error, SAMPLER_FAILED))
-                continue
-            outputs.append(self._on_token(slot, token, now, logprob))
+                break
+            out = self._on_token(slot, token, now, logprob)
+            outputs.append(out)
+            if out.finish is not None or i == len(draft) or token != draft[i]:
+                break
+            accepted += 1  # the guess was right: its cell already holds it, and its row's logits are next
+            slot.next_token = None
+        if draft:
+            self.counters.spec_drafted += len(draft)
+            self.counters.spec_accepted += accepted
+            kept = len(slot.cache) - len(draft) + accepted  # rejected guesses leave the cache
+            if kept < len(slot.cache):
+                self._ctx.forget(slot.seq_id, kept)
+                del slot.cache[kept:]
 
     def _on_token(self, slot: Slot, token: int, now: float, logprob: TokenLogprob | None) -> RequestOutput:
         request, usage = slot.request, slot.usage
@@ -369,6 +415,8 @@ class Scheduler:
         room = self._ctx.n_ctx_seq - len(prompt)
         slot.limit = min(params.max_tokens, room) if params.max_tokens else room
         slot.sampler = None
+        slot.drafter = PromptLookup(self._spec) if self._spec is not None else None
+        slot.draft = []
         self.counters.prompt_tokens += len(prompt)
         self.counters.prompt_tokens_cached += reuse
         if not params.is_plain_greedy:

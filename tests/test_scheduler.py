@@ -56,10 +56,11 @@ class FakeContext:
     def clear_batch(self) -> None:
         self.rows = []
 
-    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool) -> int:
+    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool,
+                     all_logits: bool = False) -> int:
         assert len(self.rows) + len(tokens) <= self.batch_capacity, "batch overfilled"
         for i, t in enumerate(tokens):
-            self.rows.append((t, start_pos + i, seq_id, want_logits and i == len(tokens) - 1))
+            self.rows.append((t, start_pos + i, seq_id, all_logits or (want_logits and i == len(tokens) - 1)))
         return len(self.rows) - 1
 
     def decode(self) -> int:
@@ -483,3 +484,81 @@ def test_more_choices_than_slots_after_a_reconfigure_fail_cleanly() -> None:
     s.admitting = True
     out = ends(run(s, s._ctx))  # noqa: SLF001
     assert all(out[r.id].finish == FinishReason.error and "choices" in out[r.id].error for r in group)
+
+
+# -- speculation -------------------------------------------------------------------------------------
+class Repeating(FakeContext):
+    """A model that repeats its prompt's pattern: after token t comes NEXT[t] (a cycle), so prompt lookup
+    guesses right once the cycle has been seen."""
+
+    NEXT = {1: 2, 2: 3, 3: 4, 4: 1}
+
+    def greedy(self, row: int) -> int:
+        token, _, seq, want = self.rows[row]
+        assert want, "sampled a row without logits"
+        return self.NEXT.get(token, 1)
+
+
+def _spec_run(spec, n_parallel=1, max_tokens=20, **ctx_kw):  # noqa: ANN001, ANN202
+    from serving.speculate import SpecSettings
+
+    ctx = Repeating(**ctx_kw)
+    s = Scheduler(ctx, n_parallel, default_seed=1, spec=SpecSettings(**spec) if spec is not None else None)
+    r = req([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    s.add([r])
+    out = run(s, ctx)
+    return s, ctx, r, out
+
+
+def test_speculation_gives_the_same_tokens_in_fewer_decodes() -> None:
+    plain, plain_ctx, r1, out1 = _spec_run(None)
+    fast, fast_ctx, r2, out2 = _spec_run({"draft_max": 4})
+    assert tokens_of(out2, r2) == tokens_of(out1, r1) and len(tokens_of(out1, r1)) == 20
+    assert fast_ctx.decodes < plain_ctx.decodes / 2
+    assert fast.counters.spec_accepted > 0 and fast.counters.spec_accepted <= fast.counters.spec_drafted
+
+
+def test_rejected_guesses_leave_the_cache_exactly_the_tokens_kept() -> None:
+    class Surprising(Repeating):
+        NEXT = {1: 2, 2: 3, 3: 4, 4: 7, 7: 1}  # after 4 the model says 7, the prompt said 1
+
+    from serving.speculate import SpecSettings
+
+    ctx = Surprising()
+    s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4))
+    r = req([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=12, temperature=0.0))
+    s.add([r])
+    out = run(s, ctx)  # run() checks slot.cache == the fake's K/V after every step
+    assert tokens_of(out, r) == [2, 3, 4, 7, 1, 2, 3, 4, 7, 1, 2, 3]
+    assert s.counters.spec_drafted > s.counters.spec_accepted > 0
+
+
+def test_max_tokens_inside_an_accepted_draft_ends_exactly_there() -> None:
+    _, ctx, r, out = _spec_run({"draft_max": 8}, max_tokens=5)
+    assert tokens_of(out, r) == [2, 3, 4, 1, 2] and ends(out)[r.id].finish == FinishReason.length
+    assert ends(out)[r.id].usage.completion_tokens == 5
+
+
+def test_eos_inside_a_draft_ends_with_stop() -> None:
+    class Ending(Repeating):
+        NEXT = {1: 2, 2: 3, 3: EOS}
+
+    from serving.speculate import SpecSettings
+
+    ctx = Ending()
+    s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4))
+    r = req([1, 2, 3, 9, 1], SamplingParams(max_tokens=20, temperature=0.0))
+    s.add([r])
+    out = run(s, ctx)
+    assert tokens_of(out, r) == [2, 3] and ends(out)[r.id].finish == FinishReason.stop
+
+
+def test_no_speculation_when_more_slots_are_busy_than_allowed() -> None:
+    from serving.speculate import SpecSettings
+
+    ctx = Repeating()
+    s = Scheduler(ctx, 2, default_seed=1, spec=SpecSettings(draft_max=4, max_busy=1))
+    for _ in range(2):
+        s.add([req([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=6, temperature=0.0))])
+    run(s, ctx)
+    assert s.counters.spec_drafted == 0
