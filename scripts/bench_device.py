@@ -464,7 +464,9 @@ async def bench_llama_server(run: Run, cfg: BenchConfig, out: dict[str, Any]) ->
     """llama-server on a free loopback port with the config's flags: memory when idle, then the workload."""
     out["memory"] = {"before_load": await run.settle()}
     a = run.args
-    async with bs.llama_server(a.llama_server, str(a.model), cfg.server_args(a.threads), "completions",
+    # the engine's CPU weight repack decision (serving/repack.py) applied to llama-server too: same kernels
+    repack = [] if SERVING_IMPORT_ERROR else bs.repack_server_args({}, [])
+    async with bs.llama_server(a.llama_server, str(a.model), cfg.server_args(a.threads) + repack, "completions",
                                a.load_timeout, a.request_timeout) as target:
         out["server"] = target.describe()
         pid = None if run.on_gpu else child_pid(Path(a.llama_server).name)

@@ -608,6 +608,22 @@ def embedded_model_path() -> str:
         raise SystemExit(f"error: {exc} (or pass --model PATH)") from exc
 
 
+REPACK_FLAGS = ("--repack", "--no-repack", "-nr")
+
+
+def repack_server_args(config: dict[str, Any], server_args: Sequence[str]) -> list[str]:
+    """``--no-repack`` for llama-server wherever our engine would load without the CPU weight repack
+    (``cpu_repack`` of the engine config; ``auto`` = serving/repack.py's per-machine probe), so both peers run
+    the same kernels and neither crashes on a CPU whose repack path faults. A flag in --server-args wins."""
+    if any(a.split("=")[0] in REPACK_FLAGS for a in server_args):
+        return []
+    _ensure_repo_importable()
+    from serving.config import EngineConfig
+    from serving.repack import llama_server_args
+
+    return llama_server_args(EngineConfig(**{k: v for k, v in config.items() if k == "cpu_repack"}))
+
+
 def free_loopback_port() -> int:
     """A currently free TCP port on 127.0.0.1 (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -888,8 +904,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     sched = Schedule(args.concurrency, args.repeats, args.max_tokens, args.round_timeout)
     async with contextlib.AsyncExitStack() as stack:
         targets: list[Target] = []
+        config = load_engine_config(args.engine_config, args.engine, args.model)
         if args.in_process:
-            config = load_engine_config(args.engine_config, args.engine, args.model)
             targets.append(stack.enter_context(in_process_engine(config)))
         if args.url:
             ours = HttpTarget(args.url_name, check_loopback_url(args.url), args.endpoint, args.request_timeout)
@@ -898,8 +914,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             targets.append(ours)
         if args.llama_server:
             model = args.model or embedded_model_path()
+            server_args = shlex.split(args.server_args)
+            server_args += repack_server_args(config, server_args)
             targets.append(await stack.enter_async_context(llama_server(
-                args.llama_server, model, shlex.split(args.server_args), args.endpoint,
+                args.llama_server, model, server_args, args.endpoint,
                 args.server_start_timeout, args.request_timeout)))
         results, fingerprints = await benchmark(targets, sched)
         return build_report(args, targets, results, fingerprints)

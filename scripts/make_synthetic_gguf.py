@@ -112,6 +112,14 @@ def make_q8_0_blocks(n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     return blocks
 
 
+def make_q4_0_blocks(n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Q4_0 blocks (18 B / 32 weights): fp16 d=0.016, 16 bytes of nibbles (w = d*(q - 8), in [-0.128, 0.112])."""
+    blocks = np.empty((n_blocks, 18), dtype=np.uint8)
+    blocks[:, 0:2] = _fp16_bytes(0.016)
+    blocks[:, 2:] = rng.integers(0, 256, size=(n_blocks, 16), dtype=np.uint8)
+    return blocks
+
+
 def make_q4_1_blocks(n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     """Q4_1 blocks (20 B / 32 weights): fp16 d=0.016, fp16 m=-0.12, 16 bytes of nibbles (w = d*q + m)."""
     blocks = np.empty((n_blocks, 20), dtype=np.uint8)
@@ -129,6 +137,7 @@ def make_f16_blocks(n_blocks: int, rng: np.random.Generator) -> np.ndarray:
 QTYPES: dict[str, QuantSpec] = {
     "q4_k": QuantSpec(gguf.GGMLQuantizationType.Q4_K, 256, 144, gguf.LlamaFileType.MOSTLY_Q4_K_S, make_q4_k_blocks),
     "q8_0": QuantSpec(gguf.GGMLQuantizationType.Q8_0, 32, 34, gguf.LlamaFileType.MOSTLY_Q8_0, make_q8_0_blocks),
+    "q4_0": QuantSpec(gguf.GGMLQuantizationType.Q4_0, 32, 18, gguf.LlamaFileType.MOSTLY_Q4_0, make_q4_0_blocks),
     "q4_1": QuantSpec(gguf.GGMLQuantizationType.Q4_1, 32, 20, gguf.LlamaFileType.MOSTLY_Q4_1, make_q4_1_blocks),
     "f16": QuantSpec(gguf.GGMLQuantizationType.F16, 1, 2, gguf.LlamaFileType.MOSTLY_F16, make_f16_blocks),
 }
@@ -224,7 +233,7 @@ def validate_shape(shape: ModelShape) -> None:
         if width % spec.block_weights:
             raise ValueError(
                 f"{what} {width} is not a multiple of {shape.qtype}'s block of {spec.block_weights} weights; "
-                "use --qtype q8_0 or q4_1 (32-wide blocks)"
+                "use --qtype q8_0, q4_0 or q4_1 (32-wide blocks)"
             )
 
 

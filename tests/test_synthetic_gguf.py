@@ -7,6 +7,7 @@ The presets (15 GB) are checked by arithmetic only; the files written here are ~
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from types import ModuleType
 import gguf
 import numpy as np
 import pytest
+
+from serving.request import SamplingParams
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_gguf.py"
 TINY_FLAGS = ["--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--ffn", "512"]
@@ -70,7 +73,7 @@ def tiny_models(msg: ModuleType, embedded: object, tmp_path_factory: pytest.Temp
     return written
 
 
-@pytest.mark.parametrize("qtype", ["q4_k", "q8_0", "q4_1", "f16"])
+@pytest.mark.parametrize("qtype", ["q4_k", "q8_0", "q4_0", "q4_1", "f16"])
 def test_blocks_dequantise_to_small_finite_weights(msg: ModuleType, qtype: str) -> None:
     spec = msg.QTYPES[qtype]
     blocks = spec.make_blocks(64, np.random.default_rng(0))
@@ -166,22 +169,25 @@ def test_reader_metadata_and_shapes(msg: ModuleType, embedded: object, tiny_mode
 
 @pytest.mark.parametrize("key", ["q8_0", "q4_k"])
 def test_llama_cpp_loads_and_evaluates(embedded: object, tiny_models: dict, key: str) -> None:
-    """llama.cpp must accept the file: load, tokenise with the copied tokenizer, decode finite logits."""
-    from llama_cpp import Llama  # a hard dependency of the project: a missing install must fail, not skip
+    """llama.cpp must accept the file through our engine (the one loading path): load, tokenise with the copied
+    tokenizer, render its chat template, score the prompt and generate."""
+    from serving.config import EngineConfig
+    from serving.engine import Engine
 
     model = tiny_models[key]
-    # logits_all: llama-cpp-python 0.3.x fills Llama.scores only then (sampling happens in C otherwise)
-    llm = Llama(model_path=str(model.path), n_ctx=256, n_threads=2, n_batch=64, logits_all=True, verbose=False)
+    engine = Engine(EngineConfig(model=model.path, n_ctx=256, n_parallel=1, n_batch=64, n_ubatch=64, n_threads=2,
+                                 seed=1))
     try:
-        assert llm.n_vocab() == model.shape.vocab
-        assert "<|im_start|>" in llm.metadata["tokenizer.chat_template"]
-        tokens = llm.tokenize(b"Hello synthetic world", add_bos=False)
+        assert engine.n_vocab == model.shape.vocab
+        assert "<|im_start|>user" in engine.render_chat([{"role": "user", "content": "hi"}])
+        tokens = engine.tokenize_prompt("Hello synthetic world, tokenised")
         assert 2 <= len(tokens) and max(tokens) < len(embedded.tokens)  # fillers are never produced
-        llm.eval(tokens)
-        logits = np.asarray(llm.scores[: llm.n_tokens])
-        assert logits.shape == (len(tokens), model.shape.vocab)
-        assert np.isfinite(logits).all()
-        assert logits[-1].std() > 0  # the random weights really went through the graph
-        assert not np.allclose(logits[-1], logits[-2])  # and depend on the input tokens
+        nll = engine.score(tokens)
+        assert math.isfinite(nll)
+        assert abs(nll - math.log(model.shape.vocab)) > 1e-3  # not uniform: the random weights went through the graph
+        assert engine.score(tokens[::-1]) != pytest.approx(nll, abs=1e-6)  # and the logits depend on the input
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        generated = [t for chunk in engine.submit(tokens, params) for t in chunk.token_ids]
+        assert len(generated) == 4 and max(generated) < model.shape.vocab
     finally:
-        llm.close()
+        engine.close()

@@ -1,0 +1,867 @@
+#!/usr/bin/env python3
+"""Bounded loopback soak of the Serve app: overload, dropped streams, a live config switch, a penalised
+request among greedy ones, and a SIGKILLed replica, with /health polled throughout.
+
+The script starts the app itself (scripts/_loopback_app.py: a private Ray cluster, the HTTP proxy on
+127.0.0.1 and a free port, the app as `serve run serving.app:main` builds it, on the embedded CPU model by
+default), runs the phases in order, and writes `summary.json` and `summary.md` to --out. Every request has a
+timeout, every loop a count and a deadline; the script stops by itself and exits 1 when a phase fails.
+
+Phases (see docs/robustness.md for what each one proves):
+
+* overload    --overload-clients (96) concurrent clients on 4 slots: every answer is 200 or a 503 with OpenAI
+                error JSON; streamed 200s end with [DONE] and carry no error event.
+* disconnects --drop-streams (200) streams read for a few events and closed, in waves; then every slot and
+                the queue drain (no slot leaked) and requests_cancelled rose.
+* switch      4 clients stream while the config is switched live on the ConfigChannel (n_parallel 4 -> 2,
+                n_batch, back): 0 failed requests and /slots shows each new config.
+* penalised   one request with repeat/frequency/presence penalties among greedy ones: all 200, text, no error.
+* kill        the replica's process SIGKILLed under 8-way load: clients see HTTP errors (no hang), and
+                /health + a completion recover within --recovery-bound-s; the recovery time is recorded.
+
+/health is polled every --health-interval-s by a thread: each answer must be 200 (a 500/503 is tolerated only
+while the replica is down in the kill phase) in under 1 s.
+
+    python scripts/soak.py                                  # all phases, results/soak/
+    python scripts/soak.py --phases overload,kill --out /tmp/soak n_parallel=4 n_ctx=4096
+    python scripts/soak.py model=/models/x.gguf n_parallel=8 --overload-clients 192
+
+Trailing KEY=VALUE words are passed to serving.app:main like `serve run` does (defaults: config=
+configs/default.yaml n_parallel=4 n_ctx=4096).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+
+from _loopback_app import REPO_ROOT, LoopbackApp, parse_overrides  # noqa: E402
+
+PHASES = ("overload", "disconnects", "switch", "penalised", "kill")
+HEALTH_BOUND_S = 1.0
+PROMPTS = [
+    "Write one sentence about the sea.",
+    "Name three colours.",
+    "What is a river?",
+    "Tell me a fact about the moon.",
+    "Describe a cat in a few words.",
+    "Why is the sky blue?",
+    "Give me a short greeting.",
+    "What do bees make?",
+]
+
+
+# -- one request, and what the client saw ------------------------------------------------------------
+@dataclasses.dataclass
+class Outcome:
+    """What one client request ended with."""
+
+    kind: str                      # chat | completion
+    stream: bool
+    status: int | None = None      # HTTP status; None when none arrived
+    error: str | None = None       # transport error / timeout (repr), if any
+    latency_s: float = 0.0
+    text: str = ""
+    events: int = 0                # SSE data events read (streams)
+    done: bool = False             # streams: saw data: [DONE]
+    error_event: str | None = None  # streams: an {"error": ...} event's message
+    openai_error: bool = False     # a non-200 body was OpenAI error JSON
+    retry_after: str | None = None
+    body: str = ""                 # a non-200 body (truncated)
+    dropped: bool = False          # the client closed the stream on purpose
+    t_start: float = 0.0           # monotonic
+    finish_reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """A complete, successful answer."""
+        if self.status != 200 or self.error or self.error_event:
+            return False
+        return self.done if self.stream else True
+
+    @property
+    def label(self) -> str:
+        """A short class for histograms: the status, or what went wrong instead."""
+        if self.status is None:
+            return f"no-status:{(self.error or '?').split('(')[0]}"
+        if self.status == 200 and self.stream and not self.dropped:
+            if self.error_event:
+                return "200-error-event"
+            if not self.done:
+                return "200-truncated"
+        return str(self.status)
+
+
+def is_openai_error(body: Any) -> bool:
+    return (isinstance(body, dict) and isinstance(body.get("error"), dict)
+            and isinstance(body["error"].get("message"), str))
+
+
+def parse_sse_data(line: str) -> tuple[str, Any] | None:
+    """One SSE line -> ("done", None) | ("error", message) | ("chunk", obj) | ("bad", line); None if not data."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    if payload == "[DONE]":
+        return ("done", None)
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        return ("bad", payload[:200])
+    if isinstance(obj, dict) and "error" in obj:
+        err = obj["error"]
+        return ("error", err.get("message", str(err)) if isinstance(err, dict) else str(err))
+    return ("chunk", obj)
+
+
+def chunk_text(obj: Any) -> tuple[str, str | None]:
+    """Text and finish_reason of one streamed chunk (chat delta or text completion)."""
+    text, reason = "", None
+    for choice in (obj.get("choices") or []) if isinstance(obj, dict) else []:
+        delta = choice.get("delta")
+        text += (delta.get("content") or "") if isinstance(delta, dict) else (choice.get("text") or "")
+        reason = choice.get("finish_reason") or reason
+    return text, reason
+
+
+def request_body(kind: str, prompt: str, max_tokens: int, stream: bool, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream, **extra}
+    if kind == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def send(http: httpx.AsyncClient, base: str, kind: str, body: dict[str, Any], *, total_s: float,
+               drop_after: int | None = None) -> Outcome:
+    """One request with a hard deadline; streams are read event by event (closed early after `drop_after`)."""
+    out = Outcome(kind=kind, stream=bool(body.get("stream")), t_start=time.monotonic())
+    url = f"{base}/v1/chat/completions" if kind == "chat" else f"{base}/v1/completions"
+
+    async def run() -> None:
+        if not out.stream:
+            r = await http.post(url, json=body)
+            out.status = r.status_code
+            _read_whole(out, r)
+            return
+        async with http.stream("POST", url, json=body) as r:
+            out.status = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                _read_whole(out, r)
+                return
+            async for line in r.aiter_lines():
+                parsed = parse_sse_data(line)
+                if parsed is None:
+                    continue
+                what, value = parsed
+                if what == "done":
+                    out.done = True
+                    break
+                if what in ("error", "bad"):
+                    out.error_event = value
+                    continue
+                out.events += 1
+                text, reason = chunk_text(value)
+                out.text += text
+                out.finish_reason = reason or out.finish_reason
+                if drop_after is not None and out.events >= drop_after:
+                    out.dropped = True
+                    break  # leaving the block closes the connection: the server sees the client go
+
+    try:
+        await asyncio.wait_for(run(), timeout=total_s)
+    except asyncio.TimeoutError:
+        out.error = f"Timeout(no end within {total_s:.0f} s)"
+    except httpx.HTTPError as exc:
+        out.error = f"{type(exc).__name__}({str(exc)[:200]})"
+    out.latency_s = time.monotonic() - out.t_start
+    return out
+
+
+def _read_whole(out: Outcome, r: httpx.Response) -> None:
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if r.status_code == 200:
+        if isinstance(body, dict) and body.get("choices"):
+            choice = body["choices"][0]
+            out.text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
+            out.finish_reason = choice.get("finish_reason")
+        else:
+            out.error = f"BadBody({r.text[:200]})"
+        return
+    out.openai_error = is_openai_error(body)
+    out.retry_after = r.headers.get("retry-after")
+    out.body = r.text[:300]
+
+
+# -- /health, polled by a thread throughout -----------------------------------------------------------
+@dataclasses.dataclass
+class HealthSample:
+    t: float        # monotonic
+    phase: str
+    status: int | None
+    latency_s: float
+    error: str | None = None
+    body: str = ""  # a non-200 answer's body (truncated)
+
+
+class HealthPoller(threading.Thread):
+    """GET /health every `interval_s` (timeout 5 s, so a slow answer is measured, not waited on forever)."""
+
+    def __init__(self, url: str, interval_s: float, max_s: float) -> None:
+        super().__init__(daemon=True, name="health-poller")
+        self.url, self.interval_s, self.max_s = url, interval_s, max_s
+        self.samples: list[HealthSample] = []
+        self.phase = "startup"
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.max_s
+        with httpx.Client(timeout=5.0) as http:
+            while not self._halt.is_set() and time.monotonic() < deadline:
+                t0 = time.monotonic()
+                status, error, body = None, None, ""
+                try:
+                    r = http.get(f"{self.url}/health")
+                    status, body = r.status_code, ("" if r.status_code == 200 else r.text[:200])
+                except httpx.HTTPError as exc:
+                    error = f"{type(exc).__name__}({str(exc)[:120]})"
+                self.samples.append(HealthSample(t0, self.phase, status, time.monotonic() - t0, error, body))
+                self._halt.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), int(-(-q * len(ordered) // 100))))
+    return ordered[rank - 1]
+
+
+def judge_health(samples: list[HealthSample], down: tuple[float, float] | None = None,
+                 bound_s: float = HEALTH_BOUND_S) -> dict[str, Any]:
+    """Every /health answered within `bound_s`: 200, or 500/503 only inside the `down` window (kill phase)."""
+    bad: list[str] = []
+    for s in samples:
+        in_down = down is not None and down[0] <= s.t <= down[1]
+        if s.status is None:
+            bad.append(f"no answer after {s.latency_s:.2f} s: {s.error}")
+        elif s.status != 200 and not (in_down and s.status in (500, 503)):
+            bad.append(f"status {s.status} after {s.latency_s:.2f} s: {s.body}")
+        elif s.latency_s >= bound_s:
+            bad.append(f"status {s.status} after {s.latency_s:.2f} s (over {bound_s:.0f} s)")
+    lat = [s.latency_s for s in samples if s.status is not None]
+    return {
+        "polls": len(samples),
+        "statuses": dict(Counter(str(s.status) if s.status is not None else "none" for s in samples)),
+        "p50_s": _r(percentile(lat, 50)), "p99_s": _r(percentile(lat, 99)), "max_s": _r(max(lat) if lat else None),
+        "over_bound": sum(1 for s in samples if s.latency_s >= bound_s),
+        "non_200_bodies": dict(Counter(f"{s.status} {s.body}" for s in samples if s.status not in (None, 200))),
+        "violations": len(bad), "examples": bad[:8], "passed": not bad and bool(samples),
+    }
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+# -- judging each phase's outcomes (pure; unit-tested in tests/test_soak_script.py) ---------------------
+def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
+    lat = [o.latency_s for o in outcomes if o.ok]
+    return {
+        "requests": len(outcomes),
+        "ok": sum(o.ok for o in outcomes),
+        "statuses": dict(Counter(o.label for o in outcomes)),
+        "latency_p50_s": _r(percentile(lat, 50)), "latency_p99_s": _r(percentile(lat, 99)),
+    }
+
+
+def describe(o: Outcome) -> str:
+    what = f"{o.kind}{' stream' if o.stream else ''}: {o.label}"
+    detail = o.error or o.error_event or o.body or (f"{o.events} events, no [DONE]" if o.stream and not o.done else "")
+    return f"{what} {detail}".strip()[:400]
+
+
+def judge_overload(outcomes: list[Outcome]) -> tuple[list[str], list[str]]:
+    """Every answer 200 (complete) or a 503 with OpenAI error JSON. Returns (failures, warnings)."""
+    failures, warnings = [], []
+    for o in outcomes:
+        if o.status == 503:
+            if not o.openai_error:
+                failures.append(f"503 without OpenAI error JSON: {describe(o)}")
+            elif o.retry_after is None:
+                warnings.append("503 without Retry-After")
+        elif not o.ok:
+            failures.append(describe(o))
+    if not any(o.ok for o in outcomes):
+        failures.append("no request succeeded")
+    return failures, sorted(set(warnings))
+
+
+def judge_all_ok(outcomes: list[Outcome], need_text: bool = False) -> list[str]:
+    failures = [describe(o) for o in outcomes if not o.ok]
+    if need_text:
+        failures += [f"empty text: {o.kind}{' stream' if o.stream else ''}" for o in outcomes if o.ok and not o.text]
+    if not outcomes:
+        failures.append("no requests were made")
+    return failures
+
+
+def judge_kill(outcomes: list[Outcome], t_kill: float) -> tuple[list[str], dict[str, Any]]:
+    """Around a killed replica: no hang, no request without an HTTP status (the proxy stays up), every error a
+    status >= 500 with a body; a stream cut mid-way by the dead process counts as clean (it ended, no hang)."""
+    failures: list[str] = []
+    seen: Counter[str] = Counter()
+    for o in outcomes:
+        if o.ok:
+            seen["ok"] += 1
+            continue
+        if o.error and o.error.startswith("Timeout"):
+            failures.append(f"hung: {describe(o)}")
+            seen["hang"] += 1
+        elif o.status is None:
+            failures.append(f"no HTTP status: {describe(o)}")
+            seen["no-status"] += 1
+        elif o.status == 200:  # stream cut: connection closed or an error event
+            seen["stream-cut(error-event)" if o.error_event else "stream-cut(connection closed)"] += 1
+        elif o.status >= 500 and (o.body or o.openai_error):
+            seen[f"{o.status}{' json' if o.openai_error else ' text'}"] += 1
+        else:
+            failures.append(f"unexpected: {describe(o)}")
+            seen[o.label] += 1
+    after = [o for o in outcomes if o.t_start >= t_kill]
+    return failures, {"outcomes": dict(seen), "requests_after_kill": len(after),
+                      "ok_after_kill": sum(o.ok for o in after)}
+
+
+# -- the soak -------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PhaseResult:
+    name: str
+    criterion: str
+    passed: bool = False
+    duration_s: float = 0.0
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    failures: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    health: dict[str, Any] = dataclasses.field(default_factory=dict)
+    t0: float = 0.0
+    t1: float = 0.0
+    down: tuple[float, float] | None = None
+
+
+class Soak:
+    def __init__(self, app: LoopbackApp, args: argparse.Namespace) -> None:
+        self.app, self.args, self.base = app, args, app.url
+        self.rng = random.Random(args.seed)
+        self.poller: HealthPoller | None = None
+        self.log_lines: list[str] = []
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        self.log_lines.append(line)
+
+    def client(self, read_s: float = 60.0, connections: int = 256) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=httpx.Timeout(read_s, connect=10.0),
+                                 limits=httpx.Limits(max_connections=connections, max_keepalive_connections=32))
+
+    async def slots(self, http: httpx.AsyncClient) -> dict[str, Any] | None:
+        try:
+            r = await asyncio.wait_for(http.get(f"{self.base}/slots"), 10)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def wait_drained(self, http: httpx.AsyncClient, deadline_s: float) -> tuple[bool, dict[str, Any] | None, float]:
+        """Poll /slots until no slot is busy and nothing is queued; (drained, last snapshot, seconds waited)."""
+        t0 = time.monotonic()
+        last = None
+        while time.monotonic() - t0 < deadline_s:
+            snap = await self.slots(http)
+            if snap is not None:
+                last = snap
+                if snap["slots_busy"] == 0 and snap["queue_depth"] == 0:
+                    return True, snap, time.monotonic() - t0
+            await asyncio.sleep(0.25)
+        return False, last, time.monotonic() - t0
+
+    def pick(self, i: int) -> tuple[str, bool, str]:
+        kind = "chat" if i % 2 == 0 else "completion"
+        stream = (i // 2) % 2 == 0
+        return kind, stream, f"[{i}] {PROMPTS[i % len(PROMPTS)]}"
+
+    async def load_loop(self, http: httpx.AsyncClient, i: int, stop: asyncio.Event, out: list[Outcome],
+                        max_requests: int, max_tokens: int = 24, total_s: float = 60.0,
+                        pause_on_error_s: float = 0.2, only_stream: bool = False) -> None:
+        """One client: requests back to back until `stop` (bounded by `max_requests`)."""
+        for n in range(max_requests):
+            if stop.is_set():
+                return
+            kind, stream, prompt = self.pick(i + n)
+            stream = True if only_stream else stream
+            o = await send(http, self.base, kind, request_body(kind, prompt, max_tokens, stream, temperature=0.7),
+                           total_s=total_s)
+            out.append(o)
+            if not o.ok:
+                await asyncio.sleep(pause_on_error_s)
+
+    # -- phases ------------------------------------------------------------------------------------------
+    async def overload(self, res: PhaseResult) -> None:
+        a = self.args
+        outcomes: list[Outcome] = []
+        async with self.client(read_s=a.request_timeout_s, connections=a.overload_clients + 16) as http:
+            async def client(i: int) -> None:
+                for n in range(a.overload_requests):
+                    kind, stream, prompt = self.pick(i + n * a.overload_clients)
+                    body = request_body(kind, prompt, self.rng.randint(16, 32), stream, temperature=0.7)
+                    outcomes.append(await send(http, self.base, kind, body, total_s=a.request_timeout_s))
+
+            await asyncio.gather(*(client(i) for i in range(a.overload_clients)))
+            drained, snap, waited = await self.wait_drained(http, 60)
+        res.stats = summarize(outcomes)
+        res.stats["retry_after_on_503"] = sorted({str(o.retry_after) for o in outcomes if o.status == 503})
+        starts = [o.t_start for o in outcomes]
+        res.stats["client_start_spread_s"] = _r(max(starts) - min(starts), 2) if starts else None
+        res.stats["drained_after_s"] = _r(waited, 1) if drained else None
+        res.failures, res.warnings = judge_overload(outcomes)
+        if not drained:
+            res.failures.append(f"slots/queue not drained 60 s after the burst: {_slot_brief(snap)}")
+        examples_503 = [o.body for o in outcomes if o.status == 503][:1]
+        if examples_503:
+            res.stats["example_503_body"] = examples_503[0]
+
+    async def disconnects(self, res: PhaseResult) -> None:
+        a = self.args
+        outcomes: list[Outcome] = []
+        async with self.client(read_s=a.request_timeout_s) as http:
+            before = await self.slots(http)
+            sent = 0
+            wave = 0
+            while sent < a.drop_streams:
+                n = min(a.drop_wave, a.drop_streams - sent)
+                tasks = []
+                for j in range(n):
+                    kind = "chat" if (sent + j) % 2 == 0 else "completion"
+                    body = request_body(kind, f"[{sent + j}] Write a long story about a lighthouse keeper.",
+                                        256, True, temperature=0.8, ignore_eos=True)
+                    tasks.append(send(http, self.base, kind, body, total_s=a.request_timeout_s,
+                                      drop_after=self.rng.randint(1, 4)))
+                outcomes += await asyncio.gather(*tasks)
+                sent += n
+                wave += 1
+                if wave % 5 == 0:
+                    self.log(f"  disconnects: {sent}/{a.drop_streams} streams dropped")
+            drained, after, waited = await self.wait_drained(http, a.drain_deadline_s)
+            # every slot still usable: n_parallel requests at once, all complete
+            n_par = len((after or before or {}).get("slots", [])) or 4
+            probes = await asyncio.gather(*(send(http, self.base, "completion",
+                                                 request_body("completion", f"[{k}] Count to five:", 8, False),
+                                                 total_s=a.request_timeout_s) for k in range(n_par)))
+        dropped = sum(o.dropped for o in outcomes)
+        cancelled = None
+        if before and after:
+            cancelled = after["counters"]["requests_cancelled"] - before["counters"]["requests_cancelled"]
+        res.stats = {**summarize(outcomes), "dropped_by_client": dropped, "requests_cancelled_delta": cancelled,
+                     "drained": drained, "drained_after_s": _r(waited, 1), "slots_after": _slot_brief(after),
+                     "probe_requests_ok": f"{sum(o.ok for o in probes)}/{len(probes)}"}
+        # a dropped stream's status was 200 and it had events; anything else (a 503, an error) is listed
+        res.failures += [describe(o) for o in outcomes if not o.dropped and not o.ok]
+        if not drained:
+            res.failures.append(f"slot leak: {_slot_brief(after)} {a.drain_deadline_s:.0f} s after the last drop")
+        if cancelled is None:
+            res.failures.append("could not read /slots counters before/after")
+        elif cancelled < 1:
+            res.failures.append(f"requests_cancelled did not rise ({cancelled}) after {dropped} dropped streams")
+        elif cancelled < dropped:
+            res.warnings.append(f"requests_cancelled rose by {cancelled}, fewer than the {dropped} dropped streams "
+                                "(some may have finished first)")
+        res.failures += [f"probe after drops: {describe(o)}" for o in probes if not o.ok]
+
+    async def switch(self, res: PhaseResult) -> None:
+        a = self.args
+        outcomes: list[Outcome] = []
+        switches: list[dict[str, Any]] = []
+        async with self.client(read_s=a.request_timeout_s) as http:
+            snap = await self.slots(http)
+            if snap is None:
+                res.failures.append("/slots unreadable before the switch")
+                return
+            base_cfg = dict(snap["config"])
+            n_par = base_cfg["n_parallel"]
+            plan = [{"n_parallel": max(1, n_par // 2)}, {"n_batch": 512, "n_ubatch": 256},
+                    {"n_parallel": n_par, "n_batch": base_cfg["n_batch"], "n_ubatch": base_cfg["n_ubatch"]}]
+            stop = asyncio.Event()
+            clients = [asyncio.create_task(self.load_loop(http, i, stop, outcomes, max_requests=400,
+                                                          total_s=a.request_timeout_s))
+                       for i in range(a.switch_clients)]
+            try:
+                await asyncio.sleep(a.switch_settle_s)
+                cfg = base_cfg
+                for change in plan:
+                    cfg = {**cfg, **change}
+                    done_before = len(outcomes)
+                    t0 = time.monotonic()
+                    try:
+                        result = await asyncio.wait_for(
+                            asyncio.to_thread(self.app.publish_config, cfg, a.switch_timeout_s), a.switch_timeout_s + 30)
+                        applied, message = result.applied, result.message
+                    except Exception as exc:  # noqa: BLE001  (recorded as a failure)
+                        applied, message = False, f"{type(exc).__name__}: {exc}"
+                    took = time.monotonic() - t0
+                    now = await self.slots(http)
+                    shown = {k: (now or {}).get("config", {}).get(k) for k in change}
+                    n_slots = len((now or {}).get("slots", []))
+                    ok = applied and shown == change and n_slots == cfg["n_parallel"]
+                    switches.append({"change": change, "applied": applied, "message": message,
+                                     "seconds": _r(took, 2), "slots_config": shown, "slots": n_slots,
+                                     "requests_meanwhile": len(outcomes) - done_before, "ok": ok})
+                    self.log(f"  switch {change}: applied={applied} in {took:.1f} s; /slots shows {shown}, "
+                             f"{n_slots} slots ({message})")
+                    if not ok:
+                        res.failures.append(f"switch {change} not in effect: applied={applied} ({message}); "
+                                            f"/slots shows {shown} with {n_slots} slots")
+                    await asyncio.sleep(a.switch_settle_s)
+            finally:
+                stop.set()
+                await asyncio.wait_for(asyncio.gather(*clients, return_exceptions=True), a.request_timeout_s + 10)
+        res.stats = {**summarize(outcomes), "switches": switches}
+        res.failures += judge_all_ok(outcomes)
+
+    async def penalised(self, res: PhaseResult) -> None:
+        a = self.args
+        outcomes: list[Outcome] = []
+        penal = {"temperature": 0, "repeat_penalty": 1.3, "frequency_penalty": 0.8, "presence_penalty": 0.6,
+                 "repeat_last_n": 64}
+        async with self.client(read_s=a.request_timeout_s) as http:
+            baseline = await send(http, self.base, "chat",
+                                  request_body("chat", PROMPTS[0], 32, False, temperature=0), total_s=a.request_timeout_s)
+            same = 0
+            for stream in (False, True):
+                tasks = []
+                for i in range(a.penalised_greedy):
+                    prompt = PROMPTS[0] if i == 0 else PROMPTS[i % len(PROMPTS)]
+                    tasks.append(send(http, self.base, "chat", request_body("chat", prompt, 32, stream, temperature=0),
+                                      total_s=a.request_timeout_s))
+                tasks.insert(a.penalised_greedy // 2,
+                             send(http, self.base, "chat", request_body("chat", PROMPTS[1], 48, stream, **penal),
+                                  total_s=a.request_timeout_s))
+                got = await asyncio.gather(*tasks)
+                outcomes += got
+                same += int(got[0].ok and baseline.ok and got[0].text == baseline.text)
+        res.stats = {**summarize(outcomes),
+                     "greedy_repeat_identical_to_solo": f"{same}/2 (information: batched greedy vs the same request alone)"}
+        res.failures += judge_all_ok([baseline] + outcomes, need_text=True)
+
+    async def kill(self, res: PhaseResult) -> None:
+        a = self.args
+        outcomes: list[Outcome] = []
+        async with self.client(read_s=a.kill_request_timeout_s) as http:
+            stop = asyncio.Event()
+            clients = [asyncio.create_task(self.load_loop(http, i, stop, outcomes, max_requests=2000,
+                                                          total_s=a.kill_request_timeout_s, pause_on_error_s=0.25))
+                       for i in range(a.kill_clients)]
+            t_kill = t_health = t_recovered = None
+            old_pids = new_pids = []
+            try:
+                await asyncio.sleep(a.kill_warmup_s)
+                old_pids = self.app.replica_pids()
+                pid = self.app.kill_replica()
+                t_kill = time.monotonic()
+                self.log(f"  SIGKILL replica pid {pid} under {a.kill_clients}-way load "
+                         f"({sum(o.ok for o in outcomes)} requests done before)")
+                async with self.client(read_s=10) as probe:
+                    while time.monotonic() - t_kill < a.recovery_bound_s:
+                        try:
+                            h = await asyncio.wait_for(probe.get(f"{self.base}/health"), 5)
+                            healthy = h.status_code == 200
+                        except (httpx.HTTPError, asyncio.TimeoutError):
+                            healthy = False
+                        if healthy and t_health is None:
+                            t_health = time.monotonic()
+                        if healthy:
+                            o = await send(probe, self.base, "completion",
+                                           request_body("completion", "Recovery check:", 4, False), total_s=20)
+                            if o.ok:
+                                t_recovered = time.monotonic()
+                                break
+                        await asyncio.sleep(0.25)
+                new_pids = self.app.replica_pids()
+                if t_recovered is not None:
+                    self.log(f"  recovered {t_recovered - t_kill:.1f} s after the kill (/health 200 after "
+                             f"{t_health - t_kill:.1f} s); replica pids {old_pids} -> {new_pids}")
+                    await asyncio.sleep(a.kill_after_s)
+            finally:
+                stop.set()
+                await asyncio.wait_for(asyncio.gather(*clients, return_exceptions=True),
+                                       a.kill_request_timeout_s + 10)
+        res.down = (t_kill, t_recovered if t_recovered is not None else time.monotonic()) if t_kill else None
+        failures, seen = judge_kill(outcomes, t_kill or 0.0)
+        errors = Counter(describe(o) for o in outcomes if not o.ok)
+        res.stats = {**summarize(outcomes), **seen,
+                     "recovery_s": _r(t_recovered - t_kill, 1) if t_recovered and t_kill else None,
+                     "health_200_after_s": _r(t_health - t_kill, 1) if t_health and t_kill else None,
+                     "replica_pids_before": old_pids, "replica_pids_after": new_pids,
+                     "errors_seen": [f"{n}x {e}" for e, n in errors.most_common(10)]}
+        res.failures += failures
+        if t_kill is None:
+            res.failures.append("the replica could not be killed")
+        elif t_recovered is None:
+            res.failures.append(f"no recovery within {a.recovery_bound_s:.0f} s (/health 200 and a completion)")
+
+    # -- driver --------------------------------------------------------------------------------------------
+    async def run_phase(self, name: str, fn: Callable[[PhaseResult], Awaitable[None]], criterion: str,
+                        bound_s: float) -> PhaseResult:
+        res = PhaseResult(name, criterion)
+        self.log(f"phase {name}: {criterion}")
+        assert self.poller is not None
+        self.poller.phase = name
+        res.t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(fn(res), bound_s)
+        except asyncio.TimeoutError:
+            res.failures.append(f"phase did not finish within its bound of {bound_s:.0f} s")
+        except Exception as exc:  # noqa: BLE001  (a crash of the phase is a failed phase, the soak goes on)
+            res.failures.append(f"phase crashed: {type(exc).__name__}: {exc}")
+        res.t1 = time.monotonic()
+        self.poller.phase = f"after-{name}"
+        res.duration_s = round(res.t1 - res.t0, 1)
+        samples = [s for s in self.poller.samples if res.t0 <= s.t <= res.t1]
+        res.health = judge_health(samples, down=res.down)
+        if not res.health["passed"]:
+            res.failures.append(f"/health: {res.health['violations']} of {res.health['polls']} polls bad, e.g. "
+                                f"{res.health['examples'][:3]}")
+        res.passed = not res.failures
+        self.log(f"phase {name}: {'PASS' if res.passed else 'FAIL'} in {res.duration_s} s; "
+                 f"{json.dumps(_brief_stats(res.stats))}; /health p50 {res.health['p50_s']} s "
+                 f"p99 {res.health['p99_s']} s max {res.health['max_s']} s")
+        for f in res.failures[:12]:
+            self.log(f"    failure: {f}")
+        for w in res.warnings[:5]:
+            self.log(f"    warning: {w}")
+        return res
+
+    async def run(self, phases: list[str]) -> list[PhaseResult]:
+        a = self.args
+        spec = {
+            "overload": (self.overload, f"{a.overload_clients} clients x {a.overload_requests} requests on the "
+                         "slots: every answer 200 or a 503 with OpenAI error JSON; streams end with [DONE]", 600),
+            "disconnects": (self.disconnects, f"{a.drop_streams} streams dropped mid-way in waves of {a.drop_wave}: "
+                            "no slot leaked, requests_cancelled rose", 600),
+            "switch": (self.switch, f"{a.switch_clients} clients streaming through live config switches: "
+                       "0 failed requests, /slots shows each new config", 600),
+            "penalised": (self.penalised, "one penalised request among greedy ones, streamed and not: all 200 "
+                          "with text", 300),
+            "kill": (self.kill, f"replica SIGKILLed under {a.kill_clients}-way load: clean HTTP errors, no hang, "
+                     f"recovery within {a.recovery_bound_s:.0f} s", a.recovery_bound_s + 300),
+        }
+        results = []
+        for name in phases:
+            fn, criterion, bound = spec[name]
+            results.append(await self.run_phase(name, fn, criterion, bound))
+        return results
+
+
+def _slot_brief(snap: dict[str, Any] | None) -> str:
+    if not snap:
+        return "unknown (/slots unreadable)"
+    states = Counter(s["state"] for s in snap.get("slots", []))
+    return f"slots_busy={snap.get('slots_busy')} queue_depth={snap.get('queue_depth')} states={dict(states)}"
+
+
+def _brief_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    keep = ("requests", "ok", "statuses", "recovery_s", "requests_cancelled_delta", "drained")
+    return {k: stats[k] for k in keep if k in stats}
+
+
+# -- reporting ------------------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    model = platform.processor()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+            if line.startswith("Model name"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "serving", "tuning"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + (" (serving/ or tuning/ has uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_summary(out_dir: Path, meta: dict[str, Any], results: list[PhaseResult], health_all: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {**meta, "passed": bool(results) and all(r.passed for r in results) and "error" not in meta,
+           "health_all": health_all,
+           "phases": [{k: v for k, v in dataclasses.asdict(r).items() if k not in ("t0", "t1", "down")}
+                      for r in results]}
+    (out_dir / "summary.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (out_dir / "summary.md").write_text(markdown(doc))
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [f"Soak run {doc['date']} on commit {doc['commit']}, {doc['machine']['cpu']} "
+             f"({doc['machine']['cpus']} CPUs); `{doc['command']}`; app {doc['app_args']}; "
+             f"total {doc['total_s']} s. Overall: **{'PASS' if doc['passed'] else 'FAIL'}**.", "",
+             "| phase | result | requests | statuses | /health p50 / p99 / max (s) | notes |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for p in doc["phases"]:
+        s, h = p["stats"], p["health"]
+        notes = []
+        for key in ("recovery_s", "health_200_after_s", "requests_cancelled_delta", "dropped_by_client",
+                    "drained_after_s", "retry_after_on_503", "greedy_repeat_identical_to_solo"):
+            if key in s:
+                notes.append(f"{key}={s[key]}")
+        if "switches" in s:
+            notes += [f"switch {w['change']}: {'ok' if w['ok'] else 'FAILED'} in {w['seconds']} s" for w in s["switches"]]
+        statuses = ", ".join(f"{k}: {v}" for k, v in sorted(s.get("statuses", {}).items()))
+        lines.append(f"| {p['name']} | {'PASS' if p['passed'] else 'FAIL'} | {s.get('requests', '')} | {statuses} | "
+                     f"{h.get('p50_s')} / {h.get('p99_s')} / {h.get('max_s')} | {'; '.join(notes)} |")
+    h = doc["health_all"]
+    lines += ["", f"/health over the whole run: {h['polls']} polls, statuses {h['statuses']}, p50 {h['p50_s']} s, "
+              f"p99 {h['p99_s']} s, max {h['max_s']} s, {h['over_bound']} at or over {HEALTH_BOUND_S:.0f} s."]
+    if doc.get("error"):
+        lines += ["", f"The run stopped early: `{doc['error']}`"]
+    for p in doc["phases"]:
+        if p["stats"].get("errors_seen"):
+            lines += ["", f"What the {p['name']} phase's clients saw (other than success):"]
+            lines += [f"- `{e}`" for e in p["stats"]["errors_seen"]]
+        if p["failures"] or p["warnings"]:
+            lines += ["", f"**{p['name']}** ({p['criterion']}):"]
+            lines += [f"- failure: `{f}`" for f in _dedupe(p["failures"])[:15]]
+            lines += [f"- warning: {w}" for w in p["warnings"][:5]]
+    return "\n".join(lines) + "\n"
+
+
+def _dedupe(items: Iterable[str]) -> list[str]:
+    counts = Counter(items)
+    return [f"{n}x {item}" if n > 1 else item for item, n in counts.items()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="passed to serving.app:main, as serve run does")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, run in this order: {','.join(PHASES)}")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "soak")
+    p.add_argument("--port", type=int, default=None, help="HTTP port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--request-timeout-s", type=float, default=180.0, help="hard deadline of each request")
+    p.add_argument("--health-interval-s", type=float, default=0.5)
+    p.add_argument("--overload-clients", type=int, default=96)
+    p.add_argument("--overload-requests", type=int, default=1, help="requests each overload client sends in turn")
+    p.add_argument("--drop-streams", type=int, default=200)
+    p.add_argument("--drop-wave", type=int, default=8, help="streams opened (and dropped) together")
+    p.add_argument("--drain-deadline-s", type=float, default=30.0)
+    p.add_argument("--switch-clients", type=int, default=4)
+    p.add_argument("--switch-settle-s", type=float, default=4.0, help="load before, between and after switches")
+    p.add_argument("--switch-timeout-s", type=float, default=180.0)
+    p.add_argument("--penalised-greedy", type=int, default=7, help="greedy requests around the penalised one")
+    p.add_argument("--kill-clients", type=int, default=8)
+    p.add_argument("--kill-warmup-s", type=float, default=5.0)
+    p.add_argument("--kill-after-s", type=float, default=5.0, help="load kept on after recovery")
+    p.add_argument("--kill-request-timeout-s", type=float, default=60.0)
+    p.add_argument("--recovery-bound-s", type=float, default=120.0)
+    p.add_argument("--max-total-s", type=float, default=3600.0, help="the whole run's bound; then it exits")
+    args = p.parse_args(argv)
+    args.phase_list = [x.strip() for x in args.phases.split(",") if x.strip()]
+    unknown = set(args.phase_list) - set(PHASES)
+    if unknown:
+        p.error(f"unknown phase(s) {sorted(unknown)}; phases are {', '.join(PHASES)}")
+    try:
+        args.app_args = parse_overrides(args.overrides)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def _watchdog(seconds: float) -> None:
+    """Exit the process if the run outlives its bound (a stuck driver must not hold the machine)."""
+    def fire() -> None:
+        print(f"soak: the run exceeded --max-total-s={seconds:.0f}; exiting", flush=True)
+        os._exit(3)
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _watchdog(args.max_total_s)
+    args.out.mkdir(parents=True, exist_ok=True)
+    app = LoopbackApp(args.app_args, port=args.port, log_copy_dir=args.out)
+    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
+            "machine": machine_info(), "command": " ".join(["python", "scripts/soak.py", *(argv or sys.argv[1:])]),
+            "app_args": app.app_args}
+    t0 = time.monotonic()
+    results: list[PhaseResult] = []
+    poller = None
+    try:
+        startup = app.start()
+        print(f"app up on {app.url} after {startup:.1f} s (replica pids {app.replica_pids()})", flush=True)
+        meta["startup_s"] = round(startup, 1)
+        poller = HealthPoller(app.url, args.health_interval_s, args.max_total_s)
+        poller.start()
+        soak = Soak(app, args)
+        soak.poller = poller
+        results = asyncio.run(soak.run(args.phase_list))
+    except Exception as exc:  # noqa: BLE001  (reported in the summary, exit code 1)
+        meta["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"soak: {meta['error']}", flush=True)
+    finally:
+        if poller is not None:
+            poller.stop()
+        try:
+            app.stop()
+        except Exception as exc:  # noqa: BLE001
+            print(f"soak: stopping the app failed: {exc!r}", flush=True)
+    meta["total_s"] = round(time.monotonic() - t0, 1)
+    downs = [r.down for r in results if r.down]
+    health_all = judge_health(poller.samples if poller else [], down=downs[0] if downs else None)
+    write_summary(args.out, meta, results, health_all)
+    passed = bool(results) and all(r.passed for r in results) and "error" not in meta
+    print(f"soak {'PASSED' if passed else 'FAILED'} in {meta['total_s']} s: "
+          + ", ".join(f"{r.name} {'pass' if r.passed else 'FAIL'}" for r in results)
+          + f"; summary in {args.out}/summary.md", flush=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
