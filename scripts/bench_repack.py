@@ -18,13 +18,8 @@ Models: any GGUF; random-weight ones of a chosen shape come from scripts/make_sy
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import importlib.metadata
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +34,7 @@ from serving.config import CpuRepack, EngineConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.repack import weight_buffers  # noqa: E402
 from serving.request import SamplingParams  # noqa: E402
+from measure.provenance import provenance  # noqa: E402
 
 MODES = (CpuRepack.on, CpuRepack.off)
 EXTRA_BUFFERS = ("CPU_REPACK", "AMX", "KLEIDIAI")
@@ -103,21 +99,6 @@ def bench_model(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     ratio = {k: medians["on"][k] / medians["off"][k] for k in medians["on"]}
     return {"model": str(model), "streams": args.streams, "buffers_mib": buffers, "samples": samples,
             "median": medians, "on_over_off": ratio}
-
-
-def provenance() -> dict[str, Any]:
-    """Machine, date, commit, versions: what a figure needs to be compared later."""
-    def run(cmd: Sequence[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=REPO_ROOT).stdout.strip()
-        except OSError:
-            return ""
-    cpu = next((ln.split(":", 1)[1].strip() for ln in run(["lscpu"]).splitlines() if ln.startswith("Model name")),
-               platform.processor())
-    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "cpu": cpu,
-            "cpus": len(os.sched_getaffinity(0)), "commit": run(["git", "rev-parse", "--short", "HEAD"]),
-            "dirty": bool(run(["git", "status", "--porcelain", "--untracked-files=no"])),
-            "llama_cpp_python": importlib.metadata.version("llama-cpp-python"), "command": " ".join(sys.argv)}
 
 
 def table(results: list[dict[str, Any]]) -> str:

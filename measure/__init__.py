@@ -1,0 +1,1 @@
+"""Measurement shared by the tuner and the benchmark scripts: one workload, one definition of each figure."""

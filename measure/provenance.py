@@ -1,0 +1,32 @@
+"""Where and when a figure was measured: machine, date, commit, versions, the command. Every benchmark
+writes this next to its numbers, so a figure can be compared (or not) later."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(cmd: Sequence[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=REPO_ROOT).stdout.strip()
+    except OSError:
+        return ""
+
+
+def provenance() -> dict[str, Any]:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _run(["lscpu"]).splitlines() if ln.startswith("Model name")),
+               platform.processor())
+    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "cpu": cpu,
+            "cpus": len(os.sched_getaffinity(0)), "commit": _run(["git", "rev-parse", "--short", "HEAD"]),
+            "dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
+            "llama_cpp_python": importlib.metadata.version("llama-cpp-python"), "command": " ".join(sys.argv)}
