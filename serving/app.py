@@ -1,47 +1,56 @@
-"""The Ray Serve app: one replica per GPU, each one Engine behind OpenAI-compatible FastAPI routes.
+"""The Ray Serve app: one replica per GPU, each one Engine behind the OpenAI-compatible routes of
+serving/openai.py, plus the control routes /health, /slots and /metrics.
 
 `serve run serving.app:main [config=FILE] [KEY=VALUE ...]` builds it: KEYs are EngineConfig fields or
-ServerOptions fields. The engine config travels as the deployment's `user_config`, so changing it (the
-tuner's write-back, or `serve deploy` with a new file) reaches every replica through `reconfigure()`,
-which rebuilds the llama.cpp context in place: no replica restart, no weight reload, no failed request.
+ServerOptions fields. The engine config travels as the deployment's `user_config` (the first load, and
+`serve deploy` with a new file); live changes (the tuner's write-back) come through the app's
+ConfigChannel (serving/control.py), which every replica follows: drain, rebuild the llama.cpp context in
+place, acknowledge. No replica restart, no weight reload, no failed request.
+
+Admission control is the engine's bounded queue, not Serve's `max_ongoing_requests`. A replica takes up
+to n_parallel running requests and `max_queued_requests` waiting ones; the next completion gets a 503 with
+OpenAI's error JSON and Retry-After from the engine. Serve's limit is set above anything the engine can
+hold (the most slots any config may have, plus the queue, plus headroom), so it never binds on
+completions: control routes are never queued behind them, the engine's 503 fires before Serve's
+plain-text one, and a live n_parallel change takes effect in the engine at once, with nothing in Serve
+to redeploy. Serve still routes each request to the replica with the fewest ongoing requests, which now
+counts queued ones too: a replica with a backlog (or one draining for a config change) gets less.
 """
 
 
 import asyncio
-import json
 import logging
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from serving import llama as _llama  # noqa: F401  (load order: libllama before numpy)
+from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.api import (
-    APIError, ChatCompletionRequest, CompletionRequest, ResponseBuilder, finish_reason, validation_error,
-)
-from serving.chat_template import ChatTemplateError
+from serving.api import APIError
 from serving.config import EngineConfig, load_engine_config
-from serving.control import ConfigChannel
-from serving.engine import Engine, PromptTooLongError
-from serving.metrics import ReplicaMetrics
-from serving.request import FINISH_ERROR, GenerationChunk, RequestHandle
+from serving.control import ConfigChannel, ConfigFollower
+from serving.engine import Engine
+from serving.metrics import CONTENT_TYPE, ReplicaMetrics
+from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middleware
 
 log = logging.getLogger("serving")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 TUNED_CONFIG = REPO_ROOT / "configs" / "tuned.yaml"
-APP_NAME = "llama"
 DEPLOYMENT_NAME = "LlamaServer"
+METRICS_SAMPLE_S = 1.0
+LOAD_FAILED = "the model failed to load; the reason is in the server log"
+
+
+def _n_parallel_limit() -> int:
+    """The most slots any EngineConfig may ask for (its n_parallel bound)."""
+    return next(m.le for m in EngineConfig.model_fields["n_parallel"].metadata if getattr(m, "le", None))
 
 
 class ServerOptions(BaseModel):
@@ -50,68 +59,101 @@ class ServerOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_replicas: int | str = Field("auto", description="'auto' = one per GPU in the cluster (1 on CPU)")
-    max_queued_requests: int = Field(64, ge=1, description="requests Serve holds beyond the replicas; then 503")
-    control_headroom: int = Field(4, ge=1, description="requests a replica takes beyond its slots, so "
-                                  "/health and /slots answer while every slot is busy")
+    max_queued_requests: int = Field(64, ge=1, description="completions a replica's engine holds waiting for "
+                                     "a slot; beyond it 503 with Retry-After (also the bound of Serve's own "
+                                     "queue in front of the replicas, a backstop)")
+    control_headroom: int = Field(16, ge=1, description="requests a replica takes beyond what its engine can "
+                                  "hold, so /health, /slots and /metrics never wait behind completions")
     api_key: str | None = Field(None, description="if set, requests need 'Authorization: Bearer <key>'")
     cpus_per_replica: float = Field(1.0, gt=0)
     config_poll_s: float = Field(1.0, gt=0, description="how often replicas look for a published config")
 
-
-# -- the HTTP routes --------------------------------------------------------------------------------
-api = FastAPI(title="llama-serve-tune", description="OpenAI-compatible llama.cpp serving")
-
-
-@api.exception_handler(APIError)
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Serve's per-replica limit: above the engine's own (any n_parallel + the queue), never binding."""
+        return _n_parallel_limit() + self.max_queued_requests + self.control_headroom
 
 
-@api.exception_handler(RequestValidationError)
-async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-    err = validation_error(list(exc.errors()))
-    return JSONResponse(err.body(), status_code=err.status)
+class BackgroundTasks:
+    """The replica's long-running asyncio tasks. The event loop keeps only weak references to tasks, so
+    these are held here; they are cancelled together on shutdown, and `ended()` names any that stopped
+    (check_health then reports the replica unhealthy rather than letting it run on half-working)."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, name: str, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        task.add_done_callback(_log_end)
+        self._tasks[name] = task
+
+    def ended(self) -> list[str]:
+        return [name for name, task in self._tasks.items() if task.done()]
+
+    def cancel_all(self) -> None:
+        """Cancel every task; safe from any thread (Serve calls __del__ on the replica's loop)."""
+        for task in self._tasks.values():
+            if task.done():
+                continue
+            loop = task.get_loop()
+            try:
+                if _running_loop() is loop:
+                    task.cancel()
+                elif not loop.is_closed():
+                    loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # the loop closed in between: the task is gone with it
+                pass
 
 
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = "not_found" if exc.status_code == 404 else None
-    err = APIError(exc.status_code, str(exc.detail), code=code)
-    return JSONResponse(err.body(), status_code=exc.status_code)
+def _log_end(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s stopped", task.get_name(), exc_info=task.exception())
 
 
-@api.exception_handler(Exception)
-async def _crash(_: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error")
-    err = APIError(500, f"internal error: {exc}", type_="server_error")
-    return JSONResponse(err.body(), status_code=500)
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _replica_api_key() -> str | None:
+    """The key of the replica serving this process (read by serving.openai's ApiKeyMiddleware)."""
+    return serve.get_replica_context().servable_object.api_key
+
+
+install_middleware(_replica_api_key)
 
 
 @serve.deployment(name=DEPLOYMENT_NAME, health_check_period_s=10)
 @serve.ingress(api)
-class LlamaServer:
+class LlamaServer(OpenAIRoutes):
     """One replica: loads its engine in the background (so /health can say 503 while loading), then
     follows config changes from Serve's user_config and from the app's ConfigChannel."""
 
     def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:
         self._options = ServerOptions(**options)
-        self._channel = channel
-        self._engine: Engine | None = None
-        self._load_error: str | None = None
-        self._loaded = threading.Event()
-        self._metrics: ReplicaMetrics | None = None
-        self._lock = asyncio.Lock()  # one config change at a time
+        self.api_key = self._options.api_key
         self._replica = serve.get_replica_context().replica_id.unique_id
+        self.metrics = ReplicaMetrics(self._replica)
+        self._engine: Engine | None = None
+        self._load_error: str | None = None  # for the operator (log, Serve, acks); clients see LOAD_FAILED
+        self._loaded = threading.Event()
+        self._loader: threading.Thread | None = None
+        self._closing = False
+        self._lock = asyncio.Lock()  # one config change at a time
+        self._tasks = BackgroundTasks()
+        self._follower = ConfigFollower(channel, self._replica, self._apply, self._options.config_poll_s)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve calls this with the `user_config` at start and on every change of it."""
         config = EngineConfig(**user_config["engine"])
-        if self._metrics is None:  # first call: start loading, return at once (the replica is up)
-            self._metrics = ReplicaMetrics(config.served_name)
-            threading.Thread(target=self._load, args=(config,), daemon=True, name="engine-load").start()
-            loop = asyncio.get_running_loop()
-            loop.create_task(self._sample_metrics())
-            loop.create_task(self._follow_channel())
+        if self._loader is None:  # first call: start loading, return at once (the replica is up)
+            self.metrics.model = config.served_name
+            self._loader = threading.Thread(target=self._load, args=(config,), daemon=True, name="engine-load")
+            self._loader.start()
+            self._tasks.start("metrics-sampler", self._sample_metrics())
+            self._tasks.start("config-follower", self._follower.run())
             return
         await self._apply(config)
 
@@ -127,170 +169,90 @@ class LlamaServer:
                     raise RuntimeError(self._load_error)
             elif config != self._engine.config:
                 await asyncio.to_thread(self._engine.reconfigure, config)
-
-    async def _follow_channel(self) -> None:
-        """Poll the ConfigChannel; apply each newly published config once, and acknowledge it."""
-        seen = None
-        while True:
-            await asyncio.sleep(self._options.config_poll_s)
-            try:
-                latest = await self._channel.latest.remote()
-            except Exception:  # the channel restarting: try again next round
-                log.warning("config channel unreachable", exc_info=True)
-                continue
-            key = (latest["epoch"], latest["version"])
-            if latest["engine"] is None or key == seen:
-                continue
-            seen, error = key, None
-            try:
-                await self._apply(EngineConfig(**latest["engine"]))
-            except Exception as exc:
-                log.exception("applying the published config failed")
-                error = str(exc)
-            await self._channel.ack.remote(self._replica, latest["epoch"], latest["version"], error)
+            self.metrics.model = config.served_name
 
     def _load(self, config: EngineConfig) -> None:
         try:
-            self._engine = Engine(config)
+            engine = Engine(config, max_queued=self._options.max_queued_requests)
         except Exception as exc:  # reported by /health and every request, never a crash loop
             log.exception("engine load failed")
-            self._load_error = str(exc)
+            self._load_error = f"{type(exc).__name__}: {exc}"
+        else:
+            if self._closing:  # shut down while loading: nobody else will close it
+                engine.close()
+            else:
+                self._engine = engine
         finally:
             self._loaded.set()
 
     async def _sample_metrics(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
-            if self._engine is not None:
-                self._metrics.record_snapshot(self._engine.stats())
+            await asyncio.sleep(METRICS_SAMPLE_S)
+            engine = self._engine
+            if engine is None:
+                continue
+            try:
+                self.metrics.record_snapshot(engine.stats())
+            except Exception:
+                log.warning("sampling the engine's metrics failed", exc_info=True)
 
     def check_health(self) -> None:
-        """Serve's own liveness probe: a replica whose step thread died is restarted."""
+        """Serve's own liveness probe: a replica whose step thread died, or whose config follower or
+        metrics sampler stopped, is restarted."""
         engine = self._engine
         if engine is not None and not engine.alive:
             raise RuntimeError("the engine's step thread has stopped")
+        ended = self._tasks.ended()
+        if ended and not self._closing:
+            raise RuntimeError(f"background task(s) {ended} stopped")
 
     def __del__(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
+        """Serve calls this on shutdown: stop the background tasks, then the engine."""
+        self._closing = True
+        if hasattr(self, "_tasks"):  # absent if __init__ failed early
+            self._tasks.cancel_all()
+        engine, self._engine = getattr(self, "_engine", None), None
+        if engine is not None:
+            engine.close()
 
-    # -- helpers -------------------------------------------------------------------------------------
-    def _ready_engine(self, request: Request) -> Engine:
-        self._authorize(request)
-        if self._engine is None:
-            if self._load_error:
-                raise APIError(503, f"the model failed to load: {self._load_error}", type_="server_error")
-            raise APIError(503, "the model is still loading; retry shortly", type_="server_error")
-        return self._engine
+    # -- for the routes ------------------------------------------------------------------------------
+    def ready_engine(self) -> Engine:
+        engine = self._engine
+        if engine is None:
+            if self._loaded.is_set() and self._load_error:
+                raise APIError(503, LOAD_FAILED, type_="server_error", code="model_load_failed")
+            raise APIError(503, "the model is still loading; retry shortly", type_="server_error",
+                           code="model_loading", headers={"Retry-After": "2"})
+        return engine
 
-    def _authorize(self, request: Request) -> None:
-        key = self._options.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           type_="invalid_request_error", code="invalid_api_key")
-
-    @staticmethod
-    def _check_model(engine: Engine, requested: str | None) -> None:
-        name = engine.config.served_name
-        if requested and requested != name:
-            raise APIError(404, f"the model '{requested}' does not exist; this server serves '{name}'",
-                           param="model", code="model_not_found")
-
-    def _submit(self, engine: Engine, tokens: list[int], body: Any) -> RequestHandle:
-        try:
-            return engine.submit(tokens, body.sampling_params())
-        except PromptTooLongError as exc:
-            raise APIError(400, str(exc), param="messages" if hasattr(body, "messages") else "prompt",
-                           code="context_length_exceeded") from exc
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
-
-    # -- routes --------------------------------------------------------------------------------------
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-        engine = self._ready_engine(request)
-        self._check_model(engine, body.model)
-        try:
-            prompt = engine.render_chat([m.as_template_dict() for m in body.messages])
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param="messages") from exc
-        tokens = engine.tokenize_prompt(prompt)
-        return await self._respond(engine, tokens, body, chat=True)
-
-    @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        engine = self._ready_engine(request)
-        self._check_model(engine, body.model)
-        prompt = body.prompt
-        tokens = list(prompt) if isinstance(prompt, list) else engine.tokenize_prompt(prompt)
-        if any(not 0 <= t < engine.model.n_vocab for t in tokens):
-            raise APIError(400, f"prompt token ids must be in [0, {engine.model.n_vocab})", param="prompt")
-        return await self._respond(engine, tokens, body, chat=False)
-
-    async def _respond(self, engine: Engine, tokens: list[int], body: Any, chat: bool) -> Any:
-        handle = self._submit(engine, tokens, body)
-        builder = ResponseBuilder(chat, engine.config.served_name)
-        if body.stream:
-            return StreamingResponse(self._sse(handle, builder, body.include_usage),
-                                     media_type="text/event-stream")
-        try:
-            parts, last = [], GenerationChunk()
-            async for chunk in handle:
-                parts.append(chunk.text)
-                last = chunk
-        finally:
-            if not handle.finished:
-                handle.cancel()
-        self._metrics.record_request(last.usage, last.finish_reason or "unknown")
-        if last.finish_reason == FINISH_ERROR:
-            raise APIError(500, last.error or "generation failed", type_="server_error")
-        return builder.whole("".join(parts), finish_reason(last), last.usage)
-
-    async def _sse(self, handle: RequestHandle, builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events; every chunk available when the client is ready goes out as one event."""
-        first = True
-        try:
-            async for chunk in handle:
-                if chunk.finish_reason == FINISH_ERROR:
-                    err = APIError(500, chunk.error or "generation failed", type_="server_error")
-                    yield f"data: {json.dumps(err.body())}\n\n"
-                    return
-                reason = finish_reason(chunk)
-                if chunk.text or reason or first:
-                    yield f"data: {json.dumps(builder.stream_chunk(chunk.text, reason, first))}\n\n"
-                    first = False
-                if chunk.finish_reason is not None:
-                    self._metrics.record_request(chunk.usage, chunk.finish_reason)
-                    if include_usage:
-                        yield f"data: {json.dumps(builder.usage_chunk(chunk.usage))}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (CancelledError/GeneratorExit): free the slot at the next step
-            if not handle.finished:
-                handle.cancel()
-
-    @api.get("/v1/models")
-    async def models(self, request: Request) -> dict[str, Any]:
-        engine = self._ready_engine(request)
-        return {"object": "list", "data": [{
-            "id": engine.config.served_name, "object": "model", "created": 0, "owned_by": "llama-serve-tune",
-            "meta": {"n_ctx_slot": engine.n_ctx_slot, "n_parallel": engine.config.n_parallel,
-                     "n_vocab": engine.model.n_vocab, "n_ctx_train": engine.model.n_ctx_train},
-        }]}
-
-    @api.get("/health")
+    # -- control routes: they read state only, never take a slot or wait for the engine --------------
+    @api.get("/health", responses={503: {"description": "loading, or the model failed to load"}})
     async def health(self) -> JSONResponse:
-        """Never takes a slot: reads the engine's state only. 503 while loading or after a failed load."""
-        if self._engine is not None:
+        """200 once the engine serves; 503 while loading, after a failed load, or if the engine stopped."""
+        engine = self._engine
+        if engine is not None and engine.alive:
             return JSONResponse({"status": "ok"})
-        if self._load_error:
-            return JSONResponse({"status": "error", "error": self._load_error}, status_code=503)
-        return JSONResponse({"status": "loading"}, status_code=503)
+        if engine is not None:
+            return JSONResponse({"status": "error", "error": "the engine has stopped"}, status_code=503)
+        if self._loaded.is_set() and self._load_error:
+            return JSONResponse({"status": "error", "error": LOAD_FAILED}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "2"})
 
-    @api.get("/slots")
-    async def slots(self, request: Request) -> dict[str, Any]:
+    @api.get("/slots", responses=ERROR_RESPONSES)
+    async def slots(self) -> dict[str, Any]:
         """Slots, queue, counters and the running config, like llama-server's /slots plus /props."""
-        engine = self._ready_engine(request)
-        return {"replica": self._replica, **engine.stats()}
+        return {"replica": self._replica, **self.ready_engine().stats()}
+
+    @api.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def prometheus(self) -> Response:
+        """Prometheus text exposition of this replica's metrics (queue and slot gauges read now)."""
+        engine, stats = self._engine, None
+        if engine is not None:
+            try:
+                stats = engine.stats()
+            except Exception:
+                log.warning("reading the engine's stats for /metrics failed", exc_info=True)
+        return Response(self.metrics.exposition(stats), media_type=CONTENT_TYPE)
 
 
 def _split_args(args: dict[str, Any]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
@@ -342,7 +304,7 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
         actor_options["num_gpus"] = 1
     deployment = LlamaServer.options(
         num_replicas=int(replicas),
-        max_ongoing_requests=engine_config.n_parallel + options.control_headroom,
+        max_ongoing_requests=options.max_ongoing_requests,
         max_queued_requests=options.max_queued_requests,
         ray_actor_options=actor_options,
         user_config={"engine": engine_config.to_yaml_dict()},

@@ -1,4 +1,5 @@
-"""ConfigChannel: a tiny deployment in the app that carries live engine-config changes to every replica.
+"""ConfigChannel: a tiny deployment in the app that carries live engine-config changes to every replica,
+and ConfigFollower, the replica's side of it.
 
 Serve's own `user_config` reaches all replicas in place only for apps deployed from a config file
 (`serve deploy`); an app started with `serve run serving.app:main` is redeployed with fresh replicas on
@@ -9,12 +10,17 @@ acknowledges, and the publisher waits for every replica's acknowledgement. It li
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ray import serve
 
 from serving.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 CHANNEL_NAME = "ConfigChannel"
 
@@ -46,6 +52,55 @@ class ConfigChannel:
     def acks(self) -> dict[str, dict[str, Any]]:
         return dict(self._acks)
 
-    def forget(self, replica: str) -> None:
-        """A replica shutting down stops counting."""
-        self._acks.pop(replica, None)
+
+class ConfigFollower:
+    """A replica's loop over the channel: apply each newly published config once, acknowledge it.
+
+    Nothing stops it but cancellation. Any round can fail (the channel restarting, an ack lost, a config
+    the engine cannot take): the failure is logged and the next round goes on. A config is applied once
+    per (epoch, version), whether that worked or not (a failing config is reported, not retried in a
+    loop that would drain the engine again and again); its acknowledgement is retried every round until
+    the channel has it, since the publisher waits for it.
+
+    `channel` is the ConfigChannel's DeploymentHandle (anything with awaitable `latest.remote()` and
+    `ack.remote(...)`); `apply` switches the engine and raises if it cannot.
+    """
+
+    def __init__(self, channel: Any, replica: str, apply: Callable[[EngineConfig], Awaitable[None]],
+                 poll_s: float) -> None:
+        self._channel, self._replica, self._apply, self._poll_s = channel, replica, apply, poll_s
+        self.applied: tuple[str, int] | None = None  # the last (epoch, version) applied (or tried)
+        self.acked: tuple[str, int] | None = None  # the last (epoch, version) the channel has an ack for
+        self._error: str | None = None
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        """One round; never raises (except CancelledError, which ends the loop)."""
+        try:
+            latest = await self._channel.latest.remote()
+            key = (str(latest["epoch"]), int(latest["version"]))
+            engine = latest["engine"]
+        except Exception:
+            log.warning("config channel unreachable or its answer malformed; trying again next round",
+                        exc_info=True)
+            return
+        if engine is None:
+            return
+        if key != self.applied:
+            self.applied, self._error = key, None
+            try:
+                await self._apply(EngineConfig(**engine))
+            except Exception as exc:
+                log.exception("applying the published config %s failed", key)
+                self._error = f"{type(exc).__name__}: {exc}"
+        if key != self.acked:
+            try:
+                await self._channel.ack.remote(self._replica, key[0], key[1], self._error)
+            except Exception:
+                log.warning("acknowledging config %s failed; retrying next round", key, exc_info=True)
+                return
+            self.acked = key

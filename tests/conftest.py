@@ -6,9 +6,11 @@ is shut down at the end.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -44,6 +46,59 @@ def wait_healthy(url: str, timeout: float = 180.0) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} did not become healthy in {timeout}s")
+
+
+def wait_idle(url: str, timeout: float = 120.0) -> dict[str, Any]:
+    """Until no slot is busy and nothing waits (what cancelled requests must come back to); the last /slots."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(f"{url}/slots", timeout=30).json()
+        if stats["slots_busy"] == 0 and stats["queue_depth"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} still busy after {timeout}s: {stats['slots_busy']} slots, "
+                               f"{stats['queue_depth']} queued")
+        time.sleep(0.2)
+
+
+# -- every test that collects a generation fails on an error chunk or error event --------------------
+FINISHED = ("stop", "length")
+
+
+def sse_events(lines: Iterable[str], allow_error: bool = False) -> list[dict[str, Any]]:
+    """The JSON events of one SSE response, which must end with `[DONE]` (and nothing after it).
+
+    An error event fails the test unless `allow_error` (then it is returned among the events)."""
+    events: list[dict[str, Any]] = []
+    done = False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        assert not done, f"an event after [DONE]: {line!r}"
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            continue
+        event = json.loads(data)
+        assert allow_error or "error" not in event, f"the stream carried an error event: {event}"
+        events.append(event)
+    assert done, f"the stream ended without [DONE] after {events[-1:] or 'no events'}"
+    return events
+
+
+def assert_generated(body: dict[str, Any]) -> dict[str, Any]:
+    """A whole (non-streamed) completion that finished normally: no error, finish_reason stop or length."""
+    assert "error" not in body, f"error instead of a completion: {body}"
+    reason = body["choices"][0]["finish_reason"]
+    assert reason in FINISHED, f"finish_reason {reason!r}: {body}"
+    return body
+
+
+def assert_stream_finished(events: list[dict[str, Any]]) -> str:
+    """The text of parsed completion/chat events whose last choice finished normally."""
+    reasons = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert reasons and reasons[-1] in FINISHED, f"no normal finish in {events[-2:]}"
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for e in events for c in e["choices"])
 
 
 @pytest.fixture(scope="session")

@@ -1,18 +1,28 @@
-"""The whole stack over HTTP: Ray Serve -> FastAPI routes -> engine, with the official openai client."""
+"""The HTTP layer. Most tests go through the whole stack (Ray Serve -> FastAPI routes -> engine) with the
+official openai client or httpx; the route-level tests at the end drive the same FastAPI app in-process
+with a scripted engine, for failures a real engine cannot be made to produce on demand (a queue-full
+answer, an error chunk in the middle of a stream, an exception inside a route) and for a fast sweep of
+bad bodies."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
+import threading
 import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import N_PARALLEL
-
-pytestmark = pytest.mark.usefixtures("serve_url")
+from tests.conftest import (
+    FINISHED, N_PARALLEL, assert_generated, assert_stream_finished, sse_events, wait_healthy, wait_idle,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +38,20 @@ def model(client: openai.OpenAI) -> str:
 def chat(client: openai.OpenAI, model: str, content: str, **kw) -> str:
     resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
                                           temperature=0, max_tokens=kw.pop("max_tokens", 24), **kw)
+    assert resp.choices[0].finish_reason in FINISHED, resp
     return resp.choices[0].message.content
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI, model: str) -> None:
     assert model == "SmolLM2-135M-Instruct.Q4_1"
+    meta = client.models.list().model_dump()["data"][0]["meta"]
+    assert meta["n_vocab"] > 1000 and meta["n_ctx_slot"] == 1024 and meta["n_ctx_train"] > 0
 
 
 def test_chat_and_completion_with_usage(client: openai.OpenAI, model: str) -> None:
     resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi!"}],
                                           temperature=0, max_tokens=8)
-    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.choices[0].finish_reason in FINISHED
     assert resp.usage.completion_tokens <= 8 and resp.usage.prompt_tokens > 5
     comp = client.completions.create(model=model, prompt="The sky is", temperature=0, max_tokens=6)
     assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 6
@@ -47,7 +60,7 @@ def test_chat_and_completion_with_usage(client: openai.OpenAI, model: str) -> No
 def test_streaming_matches_non_streaming_including_chinese(client: openai.OpenAI, model: str) -> None:
     prompt = "请用中文介绍一下长城。"
     whole = chat(client, model, prompt, max_tokens=48)
-    stream = client.chat.completions.create(
+    stream = client.chat.completions.create(  # the openai client raises on an error event
         model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=48,
         stream=True, stream_options={"include_usage": True})
     parts, usage, reasons = [], None, []
@@ -60,7 +73,17 @@ def test_streaming_matches_non_streaming_including_chinese(client: openai.OpenAI
     assert "".join(parts) == whole
     assert all("\ufffd" not in p for p in parts)
     assert any("\u4e00" <= ch <= "\u9fff" for ch in whole)  # it did produce Chinese
-    assert usage is not None and usage.completion_tokens > 0 and reasons[-1] in ("stop", "length")
+    assert usage is not None and usage.completion_tokens > 0 and reasons[-1] in FINISHED
+
+
+def test_raw_stream_ends_with_done_and_carries_no_error(serve_url: str) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{serve_url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp.iter_lines())
+    assert assert_stream_finished(events[:-1])
+    assert events[-1]["usage"]["completion_tokens"] == 12
 
 
 def test_concurrent_greedy_requests_match_each_alone(client: openai.OpenAI, model: str) -> None:
@@ -71,6 +94,7 @@ def test_concurrent_greedy_requests_match_each_alone(client: openai.OpenAI, mode
         aclient = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0)
         rs = await asyncio.gather(*(aclient.chat.completions.create(
             model=model, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=24) for p in prompts))
+        assert all(r.choices[0].finish_reason in FINISHED for r in rs)
         return [r.choices[0].message.content for r in rs]
 
     assert asyncio.run(together()) == alone
@@ -109,70 +133,278 @@ def test_cancelled_streams_leave_every_slot_free(serve_url: str) -> None:
                     assert resp.status_code == 200
                     async for line in resp.aiter_lines():
                         if line.startswith("data: "):
+                            assert "error" not in json.loads(line[len("data: "):]), line
                             return  # got the first token: drop the connection
             await asyncio.gather(*(one() for _ in range(N_PARALLEL)))
 
+    before = _slots(serve_url)["counters"]["requests_cancelled"]
     asyncio.run(start_and_drop())
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _slots(serve_url)["slots_busy"]:
-        time.sleep(0.2)
-    stats = _slots(serve_url)
-    assert stats["slots_busy"] == 0 and stats["queue_depth"] == 0
-    assert stats["counters"]["requests_cancelled"] >= N_PARALLEL
+    stats = wait_idle(serve_url, timeout=30)
+    assert stats["counters"]["requests_cancelled"] - before >= N_PARALLEL
 
 
-def test_health_answers_while_every_slot_is_busy(serve_url: str) -> None:
-    body = {"prompt": "Tell a very long story:", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
-    async def run() -> tuple[list[int], int, int]:
-        async with httpx.AsyncClient(timeout=120) as ac:
-            busy = [asyncio.create_task(ac.post(f"{serve_url}/v1/completions", json=body)) for _ in range(N_PARALLEL)]
-            for _ in range(200):
-                if (await ac.get(f"{serve_url}/slots")).json()["slots_busy"] == N_PARALLEL:
+
+# -- control routes never wait; a full engine answers 503 ---------------------------------------------
+QUEUED = 64
+LONG_STREAM = {"prompt": "Count from one to a thousand:", "max_tokens": 1000, "stream": True, "temperature": 0,
+               "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def busy(ray_session: None, serve_url: str) -> AsyncIterator[str]:
+    """One slot and the default engine queue (64): a small config that a burst can fill."""
+    from ray import serve
+
+    from serving.app import main
+
+    serve.run(main({"n_parallel": 1, "n_ctx": 1024, "max_queued_requests": QUEUED, "cpus_per_replica": 0.5}),
+              name="busy", route_prefix="/busy")
+    base = f"{serve_url}/busy"
+    try:
+        wait_healthy(base)
+        yield base
+    finally:
+        serve.delete("busy")
+
+
+@contextlib.asynccontextmanager
+async def backlog(base: str, queued: int) -> AsyncIterator[httpx.AsyncClient]:
+    """One long stream on the slot and `queued` more waiting in the engine, held open while the body runs;
+    then every connection is dropped (which must cancel them all)."""
+    limits = httpx.Limits(max_connections=queued + 32, max_keepalive_connections=queued + 32)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=30), limits=limits) as http:
+        statuses: list[int] = []
+
+        async def hold() -> None:
+            async with http.stream("POST", f"{base}/v1/completions", json=LONG_STREAM) as resp:
+                statuses.append(resp.status_code)
+                async for line in resp.aiter_lines():
+                    assert "error" not in line, line
+
+        streams = [asyncio.create_task(hold()) for _ in range(queued + 1)]
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                stats = (await http.get(f"{base}/slots")).json()
+                if stats["slots_busy"] == 1 and stats["queue_depth"] >= queued:
                     break
-                await asyncio.sleep(0.05)
-            slots_busy = (await ac.get(f"{serve_url}/slots")).json()["slots_busy"]
-            health = await asyncio.wait_for(ac.get(f"{serve_url}/health"), timeout=5)
-            done = await asyncio.gather(*busy)
-            return [r.status_code for r in done], health.status_code, slots_busy
+                failed = [t for t in streams if t.done()]
+                assert not failed, f"a held stream ended early: {failed[0].exception() or 'finished'}"
+                assert time.monotonic() < deadline, f"the backlog did not build: {stats['queue_depth']} queued"
+                await asyncio.sleep(0.1)
+            assert statuses == [200] * len(statuses), statuses  # every one of them was admitted
+            yield http
+        finally:
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
 
-    codes, health, slots_busy = asyncio.run(run())
-    assert slots_busy == N_PARALLEL and health == 200 and codes == [200] * N_PARALLEL
 
+def test_control_routes_answer_while_64_requests_are_queued(busy: str) -> None:
+    async def probe() -> dict[str, httpx.Response]:
+        async with backlog(busy, QUEUED) as http:
+            return {path: await asyncio.wait_for(http.get(f"{busy}{path}"), timeout=60)
+                    for path in ("/health", "/slots", "/metrics")}
+
+    answers = asyncio.run(probe())
+    assert {p: r.status_code for p, r in answers.items()} == {"/health": 200, "/slots": 200, "/metrics": 200}
+    assert answers["/slots"].json()["queue_depth"] >= QUEUED - 1  # the one on the slot may have finished
+    metrics = answers["/metrics"].text
+    queue_gauge = re.search(r"^llm_queue_depth\{[^}]*\} (\S+)$", metrics, re.M)
+    assert queue_gauge and float(queue_gauge.group(1)) >= QUEUED - 1, metrics
+    assert re.search(r"^llm_slots_busy\{[^}]*\} 1\.0$", metrics, re.M), metrics
+    stats = wait_idle(busy)  # dropping the connections cancelled all of them, queued ones included
+    assert stats["counters"]["requests_cancelled"] >= QUEUED
+
+
+def test_full_engine_queue_answers_503_with_retry_after_and_the_app_keeps_serving(busy: str) -> None:
+    async def overflow() -> list[httpx.Response]:
+        async with backlog(busy, QUEUED) as http:
+            whole = await http.post(f"{busy}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            streamed = await http.post(f"{busy}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True})
+            return [whole, streamed]
+
+    for resp in asyncio.run(overflow()):
+        assert resp.status_code == 503, resp.text
+        assert int(resp.headers["retry-after"]) >= 1
+        assert resp.headers["content-type"] == "application/json"  # the engine's answer, not Serve's
+        err = resp.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "server_overloaded" and err["message"]
+    wait_idle(busy)
+    ok = httpx.post(f"{busy}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200 and assert_generated(ok.json())["usage"]["completion_tokens"] == 3
+    metrics = httpx.get(f"{busy}/metrics", timeout=30).text
+    assert re.search(r'^llm_requests_rejected_total\{cause="queue_full"[^}]*\} [2-9]', metrics, re.M), metrics
+
+
+def test_metrics_count_requests_by_finish_reason_and_ttft(serve_url: str) -> None:
+    def count(text: str, name: str, **labels: str) -> float:
+        pattern = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
+        found = re.search(rf"^{name}\{{{pattern}[^}}]*\}} (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = httpx.get(f"{serve_url}/metrics", timeout=30)
+    ok = httpx.post(f"{serve_url}/v1/completions", json={"prompt": "The sea", "max_tokens": 4, "temperature": 0},
+                    timeout=60)
+    assert assert_generated(ok.json())["choices"][0]["finish_reason"] == "length"
+    after = httpx.get(f"{serve_url}/metrics", timeout=30)
+    assert after.headers["content-type"].startswith("text/plain")
+    b, a = before.text, after.text
+    assert count(a, "llm_requests_total", reason="length") == count(b, "llm_requests_total", reason="length") + 1
+    assert count(a, "llm_generated_tokens_total") == count(b, "llm_generated_tokens_total") + 4
+    assert count(a, "llm_time_to_first_token_s_count") == count(b, "llm_time_to_first_token_s_count") + 1
+    assert count(a, "llm_prompt_tokens_total") > count(b, "llm_prompt_tokens_total")
+
+
+def test_stream_cut_by_an_engine_error_ends_with_an_error_event_then_done(ray_session: None, serve_url: str) -> None:
+    """A real engine failure: a prompt waiting for the slot that no longer fits it after a live config change
+    (2048 -> 1024 tokens a slot) ends with an error. Its stream, already under way (200, headers out),
+    must end with OpenAI's error JSON as an event and then [DONE]; the request on the slot is unaffected."""
+    from ray import serve
+
+    from serving.app import main
+    from serving.control import CHANNEL_NAME
+
+    serve.run(main({"n_parallel": 1, "n_ctx": 2048, "cpus_per_replica": 0.5, "config_poll_s": 0.2}),
+              name="shrink", route_prefix="/shrink")
+    base = f"{serve_url}/shrink"
+    try:
+        wait_healthy(base)
+        running = {**LONG_STREAM, "max_tokens": 120}
+        waiting = {"prompt": "word " * 1500, "max_tokens": 4, "stream": True}
+
+        async def run() -> tuple[list[str], list[str]]:
+            async with httpx.AsyncClient(timeout=180) as http:
+                async def lines(body: dict) -> list[str]:
+                    async with http.stream("POST", f"{base}/v1/completions", json=body) as resp:
+                        assert resp.status_code == 200
+                        return [line async for line in resp.aiter_lines()]
+
+                async def until(key: str) -> None:
+                    for _ in range(1200):
+                        if (await http.get(f"{base}/slots")).json()[key] == 1:
+                            return
+                        await asyncio.sleep(0.05)
+                    raise TimeoutError(key)
+
+                first = asyncio.create_task(lines(running))
+                await until("slots_busy")
+                second = asyncio.create_task(lines(waiting))
+                await until("queue_depth")
+                channel = serve.get_deployment_handle(CHANNEL_NAME, app_name="shrink")
+                await channel.publish.remote({"n_parallel": 1, "n_ctx": 1024})
+                return await first, await second
+
+        on_slot, cut = asyncio.run(run())
+        assert assert_stream_finished(sse_events(on_slot))
+        events = sse_events(cut, allow_error=True)
+        assert "error" in events[-1], events  # the error is the last event; sse_events checked [DONE] follows
+        err = events[-1]["error"]
+        assert err["type"] == "server_error" and "no longer fits" in err["message"]
+        ok = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200 and assert_generated(ok.json())
+        assert httpx.get(f"{base}/slots", timeout=30).json()["n_ctx_slot"] == 1024
+    finally:
+        serve.delete("shrink")
+
+
+# -- bad input: 4xx with OpenAI's error JSON, never a 5xx, and the server keeps serving ---------------
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSG = [{"role": "user", "content": "x"}]
+RAW = "raw"  # body given as bytes, with a content type
 
 BAD_REQUESTS = [
-    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', 400, "invalid_json"),
-    ("wrong type", "/v1/chat/completions", {"messages": "hello"}, 400, None),
-    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, None),
-    ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
-    ("temperature out of range", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, None),
-    ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, None),
-    ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, None),
-    ("n > 1", "/v1/completions", {"prompt": "x", "n": 3}, 400, None),
-    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, None),
-    ("token id out of vocabulary", "/v1/completions", {"prompt": [10**9]}, 400, None),
-    ("prompt longer than a slot", "/v1/completions", {"prompt": "word " * 3000}, 400, "context_length_exceeded"),
-    ("prompt + max_tokens over a slot", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "context_length_exceeded"),
-    ("unknown model", "/v1/chat/completions",
-     {"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]}, 404, "model_not_found"),
+    ("malformed JSON", CHAT, (RAW, b'{"messages": [', "application/json"), 400, "invalid_json"),
+    ("wrong type", CHAT, {"messages": "hello"}, 400, None),
+    ("empty messages", CHAT, {"messages": []}, 400, None),
+    ("bad role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("temperature out of range", CHAT, {"messages": MSG, "temperature": 5}, 400, None),
+    ("NaN temperature", CHAT, (RAW, b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+                               "application/json"), 400, None),
+    ("infinite repeat_penalty", COMP, (RAW, b'{"prompt": "x", "repeat_penalty": Infinity}', "application/json"),
+     400, None),
+    ("null temperature", CHAT, {"messages": MSG, "temperature": None}, 400, None),
+    ("null messages", CHAT, {"messages": None}, 400, None),
+    ("negative max_tokens", COMP, {"prompt": "x", "max_tokens": -3}, 400, None),
+    ("huge max_tokens", COMP, {"prompt": "x", "max_tokens": 10**30}, 400, "context_length_exceeded"),
+    ("negative top_k", COMP, {"prompt": "x", "top_k": -1}, 400, None),
+    ("huge top_k", COMP, {"prompt": "x", "top_k": 2**40}, 400, None),
+    ("seed above uint32", COMP, {"prompt": "x", "seed": 2**32}, 400, None),
+    ("seed below -1", COMP, {"prompt": "x", "seed": -5}, 400, None),
+    ("huge repeat_last_n", COMP, {"prompt": "x", "repeat_last_n": 2**40}, 400, None),
+    ("stop string too long", COMP, {"prompt": "x", "stop": "s" * 5000}, 400, None),
+    ("too many stop strings", COMP, {"prompt": "x", "stop": ["a"] * 40}, 400, None),
+    ("top_p zero", COMP, {"prompt": "x", "top_p": 0}, 400, None),
+    ("n > 1", COMP, {"prompt": "x", "n": 3}, 400, None),
+    ("empty prompt", COMP, {"prompt": ""}, 400, None),
+    ("nested token lists", COMP, {"prompt": [[1, 2]]}, 400, None),
+    ("token id out of vocabulary", COMP, {"prompt": [10**9]}, 400, None),
+    ("negative token id", COMP, {"prompt": [-1]}, 400, None),
+    ("lone surrogate", COMP, (RAW, b'{"prompt": "\\ud800"}', "application/json"), 400, None),
+    ("lone surrogate model", CHAT, (RAW, b'{"model": "\\udfff", "messages": [{"role": "user", "content": "x"}]}',
+                                    "application/json"), 400, None),
+    ("invalid UTF-8", COMP, (RAW, b'{"prompt": "\xff\xfe"}', "application/json"), 400, None),
+    ("JSON array body", CHAT, [1, 2], 400, None),
+    ("JSON string body", COMP, "just a string", 400, None),
+    ("JSON null body", COMP, (RAW, b"null", "application/json"), 400, None),
+    ("text/plain body", COMP, (RAW, b'{"prompt": "x"}', "text/plain"), 400, None),
+    ("form body", COMP, (RAW, b"prompt=x", "application/x-www-form-urlencoded"), 400, None),
+    ("image content part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
+    ("prompt longer than a slot", COMP, {"prompt": "word " * 3000}, 400, "context_length_exceeded"),
+    ("prompt + max_tokens over a slot", CHAT, {"messages": MSG, "max_tokens": 100000}, 400, "context_length_exceeded"),
+    ("unknown model", CHAT, {"model": "gpt-17", "messages": MSG}, 404, "model_not_found"),
     ("unknown route", "/v1/embeddingz", {}, 404, "not_found"),
+]
+ODD_BUT_VALID = [
+    ("content None", CHAT, {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "Hi"}]}),
+    ("content parts", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}),
+    ("logit_bias and other unknown fields are ignored", COMP, {"prompt": "Hi", "logit_bias": {"50256": -100},
+                                                               "user": "u", "frobnicate": [1, {"x": None}]}),
+    ("empty and absent stops", COMP, {"prompt": "Hi", "stop": ["", "\n\n\n"]}),
+    ("null optionals", COMP, {"prompt": "Hi", "stop": None, "seed": None, "max_tokens": None,
+                              "stream_options": None}),
+    ("seed -1 and the whole slot as penalty window", COMP, {"prompt": "Hi", "seed": -1, "repeat_last_n": -1,
+                                                            "repeat_penalty": 1.1, "temperature": 0.7}),
+    ("largest seed and top_k", COMP, {"prompt": "Hi", "seed": 2**32 - 1, "top_k": 2**31 - 1}),
+    ("NUL and specials in text", COMP, {"prompt": "a\u0000b <|im_start|> \U0001f600"}),
 ]
 
 
-@pytest.mark.parametrize("name,path,body,status,code", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
-def test_bad_input_gets_openai_error_and_server_keeps_serving(serve_url: str, name: str, path: str, body,
-                                                              status: int, code: str | None) -> None:
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
-    resp = httpx.post(f"{serve_url}{path}", timeout=60, **kw)
+def _send(base: str, path: str, body: Any, **kw: Any) -> httpx.Response:
+    if isinstance(body, tuple) and body[0] == RAW:
+        return httpx.post(f"{base}{path}", content=body[1], headers={"content-type": body[2]}, timeout=60, **kw)
+    return httpx.post(f"{base}{path}", json=body, timeout=60, **kw)
+
+
+def _check_error(resp: httpx.Response, status: int, code: str | None) -> None:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
-    assert err["message"] and err["type"]
+    assert err["message"] and err["type"] == "invalid_request_error"
     if code:
         assert err["code"] == code
+
+
+@pytest.mark.parametrize("name,path,body,status,code", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_openai_error_and_server_keeps_serving(serve_url: str, name: str, path: str, body: Any,
+                                                              status: int, code: str | None) -> None:
+    _check_error(_send(serve_url, path, body), status, code)
     ok = httpx.post(f"{serve_url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
-    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert ok.status_code == 200 and assert_generated(ok.json())["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("name,path,body", ODD_BUT_VALID, ids=[b[0] for b in ODD_BUT_VALID])
+def test_odd_but_valid_requests_are_served(serve_url: str, name: str, path: str, body: dict) -> None:
+    resp = _send(serve_url, path, {**body, "max_tokens": body.get("max_tokens") or 4})
+    assert resp.status_code == 200, resp.text
+    assert_generated(resp.json())
+
+
+def test_wrong_method_is_a_json_405(serve_url: str) -> None:
+    resp = httpx.get(f"{serve_url}/v1/completions", timeout=30)
+    assert resp.status_code == 405 and resp.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_streaming_error_is_sent_as_error_status_before_the_stream(serve_url: str) -> None:
@@ -180,49 +412,254 @@ def test_streaming_error_is_sent_as_error_status_before_the_stream(serve_url: st
     assert resp.status_code == 400 and json.loads(resp.text)["error"]["code"] == "context_length_exceeded"
 
 
+def test_openapi_schema_documents_openai_errors_not_422(serve_url: str) -> None:
+    schema = httpx.get(f"{serve_url}/openapi.json", timeout=30).json()
+    post = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "422" not in post and {"400", "401", "404", "503"} <= set(post)
+    assert "ErrorBody" in schema["components"]["schemas"]
+
+
 def test_api_key_is_enforced_when_set(ray_session: None, serve_url: str) -> None:
     from ray import serve
 
     from serving.app import main
-    from tests.conftest import wait_healthy
 
-    serve.run(main({"n_parallel": 1, "n_ctx": 1024, "api_key": "sekrit"}), name="auth", route_prefix="/auth")
+    serve.run(main({"n_parallel": 1, "n_ctx": 1024, "api_key": "sekrit", "cpus_per_replica": 0.5}),
+              name="auth", route_prefix="/auth")
     try:
-        wait_healthy(f"{serve_url}/auth")
+        wait_healthy(f"{serve_url}/auth")  # /health needs no key
         body = {"prompt": "Hi", "max_tokens": 2}
-        missing = httpx.post(f"{serve_url}/auth/v1/completions", json=body, timeout=60)
-        wrong = httpx.post(f"{serve_url}/auth/v1/completions", json=body, timeout=60,
-                           headers={"Authorization": "Bearer nope"})
-        right = httpx.post(f"{serve_url}/auth/v1/completions", json=body, timeout=60,
-                           headers={"Authorization": "Bearer sekrit"})
-        assert missing.status_code == 401 and wrong.status_code == 401
-        assert missing.json()["error"]["code"] == "invalid_api_key"
-        assert right.status_code == 200
+        base = f"{serve_url}/auth"
+
+        def post(**headers: Any) -> httpx.Response:
+            return httpx.post(f"{base}/v1/completions", json=body, timeout=60, headers=headers)
+
+        for denied in (post(), post(Authorization="Bearer nope"), post(Authorization="sekrit"),
+                       post(Authorization="Bearer sekrit2"), post(Authorization=b"Bearer \xffsekrit"),
+                       httpx.get(f"{base}/slots", timeout=30), httpx.get(f"{base}/metrics", timeout=30),
+                       httpx.post(f"{base}/v1/completions", content=b"{bad json", timeout=30)):
+            assert denied.status_code == 401, denied.text  # before the body is even read
+            assert denied.json()["error"]["code"] == "invalid_api_key"
+            assert denied.headers["www-authenticate"] == "Bearer"
+        for scheme in ("Bearer", "bearer"):
+            right = post(Authorization=f"{scheme} sekrit")
+            assert right.status_code == 200 and assert_generated(right.json())
+        assert httpx.get(f"{base}/openapi.json", timeout=30).status_code == 200
     finally:
         serve.delete("auth")
 
 
-def test_full_queue_answers_503_and_the_app_keeps_serving(ray_session: None, serve_url: str) -> None:
-    """One slot, one request of headroom, one queued in Serve: the rest of a burst is turned away with 503."""
+# -- route level: the same FastAPI app in-process, with a scripted engine ---------------------------
+class ScriptedEngine:
+    """Stands in for Engine through its public API; `submit` raises `fail` or replays `chunks`."""
+
+    def __init__(self) -> None:
+        from serving.config import EngineConfig
+        from serving.request import FinishReason, GenerationChunk, Usage
+
+        self.config = EngineConfig(model_alias="scripted", n_ctx=1024, n_parallel=1)
+        self.n_ctx_slot, self.n_vocab, self.n_ctx_train = 1024, 1000, 2048
+        self.fail: Exception | None = None
+        self.chunks = [GenerationChunk("Hello", [1]),
+                       GenerationChunk(" world", [2], FinishReason.length, Usage(prompt_tokens=3, completion_tokens=2))]
+        self.handle_class: type | None = None
+        self.params: list[Any] = []
+        self.handles: list[Any] = []
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        return [b % 1000 for b in text.encode()]
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        return "".join(m["content"] for m in messages)
+
+    def submit(self, tokens: list[int], params: Any) -> Any:
+        from serving.request import Request, RequestHandle
+
+        if not tokens:
+            raise ValueError("the prompt is empty: send at least one token of text")
+        if self.fail is not None:
+            raise self.fail
+        self.params.append(params)
+        handle = (self.handle_class or RequestHandle)(Request(len(self.params), tokens, params), threading.Event())
+        for chunk in self.chunks:
+            handle.push(chunk)
+        self.handles.append(handle)
+        return handle
+
+
+@pytest.fixture
+def scripted(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The app's FastAPI routes served by a host holding a ScriptedEngine (no Ray, no model)."""
     from ray import serve
+    from starlette.testclient import TestClient
 
-    from serving.app import main
-    from tests.conftest import wait_healthy
+    from serving import app as serving_app  # noqa: F401  (binds the routes to the deployment class)
+    from serving.metrics import ReplicaMetrics
+    from serving.openai import OpenAIRoutes, api
 
-    serve.run(main({"n_parallel": 1, "n_ctx": 1024, "control_headroom": 1, "max_queued_requests": 1,
-                    "cpus_per_replica": 0.5}), name="tiny", route_prefix="/tiny")
-    try:
-        wait_healthy(f"{serve_url}/tiny")
-        body = {"prompt": "Tell a story:", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    class Host(OpenAIRoutes):
+        api_key: str | None = None
 
-        async def burst() -> list[int]:
-            async with httpx.AsyncClient(timeout=120) as ac:
-                rs = await asyncio.gather(*(ac.post(f"{serve_url}/tiny/v1/completions", json=body) for _ in range(8)))
-                return [r.status_code for r in rs]
+        def __init__(self) -> None:
+            self.engine = ScriptedEngine()
+            self.metrics = ReplicaMetrics("scripted-replica", "scripted")
 
-        codes = asyncio.run(burst())
-        assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 2
-        ok = httpx.post(f"{serve_url}/tiny/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
-        assert ok.status_code == 200
-    finally:
-        serve.delete("tiny")
+        def ready_engine(self) -> Any:
+            return self.engine
+
+    host = Host()
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=host))
+    with TestClient(api, raise_server_exceptions=False) as http:
+        host.http = http
+        yield host
+
+
+def _events(resp: Any) -> list[dict[str, Any]]:
+    return sse_events(resp.text.splitlines(), allow_error=True)
+
+
+@pytest.mark.parametrize("path,body", [(COMP, {"prompt": "Hi"}), (CHAT, {"messages": MSG})])
+def test_scripted_stream_cut_by_engine_error_ends_with_error_event_then_done(scripted: Any, path: str,
+                                                                             body: dict) -> None:
+    from serving.request import FinishReason, GenerationChunk
+
+    scripted.engine.chunks = [GenerationChunk("Hello", [1]),
+                              GenerationChunk(" wor", [2], FinishReason.error, error="llama_decode failed; retry it")]
+    resp = scripted.http.post(path, json={**body, "stream": True})
+    assert resp.status_code == 200
+    events = _events(resp)  # checks that [DONE] ends it
+    text = assert_text(events[:-1])
+    assert text == "Hello wor"  # what was generated before the error still reaches the client
+    err = events[-1]["error"]
+    assert err == {"message": "llama_decode failed; retry it", "type": "server_error", "param": None,
+                   "code": "generation_failed"}
+    assert "error" not in "".join(json.dumps(e) for e in events[:-1])
+
+
+def assert_text(events: list[dict[str, Any]]) -> str:
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for e in events for c in e["choices"])
+
+
+def test_scripted_engine_error_without_stream_is_a_500_with_the_engine_message(scripted: Any) -> None:
+    from serving.request import FinishReason, GenerationChunk
+
+    scripted.engine.chunks = [GenerationChunk("", [], FinishReason.error, error="sampling failed for this request")]
+    resp = scripted.http.post(COMP, json={"prompt": "Hi"})
+    assert resp.status_code == 500
+    assert resp.json()["error"]["message"] == "sampling failed for this request"
+
+
+def test_scripted_queue_full_is_503_with_retry_after(scripted: Any) -> None:
+    from serving.errors import QueueFullError
+
+    scripted.engine.fail = QueueFullError(queued=64, limit=64, retry_after_s=7)
+    for path, body in ((COMP, {"prompt": "Hi"}), (CHAT, {"messages": MSG, "stream": True})):
+        resp = scripted.http.post(path, json=body)
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "7"
+        assert resp.json()["error"]["code"] == "server_overloaded"
+    scripted.engine.fail = None
+    ok = scripted.http.post(COMP, json={"prompt": "Hi"})
+    assert ok.status_code == 200 and assert_generated(ok.json())["choices"][0]["text"] == "Hello world"
+    assert 'llm_requests_rejected_total{cause="queue_full"' in scripted.metrics.exposition().decode()
+
+
+def test_scripted_stopped_engine_is_503(scripted: Any) -> None:
+    from serving.errors import EngineStoppedError
+
+    scripted.engine.fail = EngineStoppedError("the engine is not running")
+    resp = scripted.http.post(COMP, json={"prompt": "Hi"})
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_scripted_internal_error_is_generic_and_names_the_request_id(scripted: Any,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    scripted.engine.fail = RuntimeError("secret detail at /srv/models/x.gguf")
+    resp = scripted.http.post(COMP, json={"prompt": "Hi"}, headers={"x-request-id": "req-1234"})
+    assert resp.status_code == 500
+    err = resp.json()["error"]
+    assert "secret" not in resp.text and "gguf" not in resp.text
+    assert "req-1234" in err["message"] and err["type"] == "server_error"
+    logged = [r for r in caplog.records if "req-1234" in r.getMessage()]
+    assert logged and "secret detail" in (logged[0].exc_text or "")
+
+
+def test_scripted_exception_inside_a_stream_is_an_error_event_and_done(scripted: Any) -> None:
+    from serving.request import GenerationChunk, RequestHandle
+
+    class Exploding(RequestHandle):
+        async def __anext__(self) -> GenerationChunk:
+            if self.request.id and not getattr(self, "_sent", False):
+                self._sent = True
+                return GenerationChunk("Hel", [1])
+            raise RuntimeError("secret internals")
+
+    scripted.engine.handle_class = Exploding
+    resp = scripted.http.post(COMP, json={"prompt": "Hi", "stream": True}, headers={"x-request-id": "req-77"})
+    events = _events(resp)
+    assert assert_text(events[:-1]) == "Hel"
+    assert "req-77" in events[-1]["error"]["message"] and "secret" not in resp.text
+    assert scripted.engine.handles[-1].request.cancelled  # the engine was told to free the slot
+
+
+def test_scripted_sampling_params_are_bounded_by_the_slot(scripted: Any) -> None:
+    for last_n, expected in ((-1, 1024), (10**6, 1024), (0, 0), (32, 32)):
+        resp = scripted.http.post(COMP, json={"prompt": "Hi", "repeat_last_n": last_n})
+        assert resp.status_code == 200, resp.text
+        assert scripted.engine.params[-1].penalty_last_n == expected
+    assert scripted.engine.params[-1].max_tokens is None  # no max_tokens: the engine bounds it by the slot
+
+
+def test_scripted_body_over_the_limit_is_a_json_413(scripted: Any) -> None:
+    from serving.openai import MAX_BODY_BYTES
+
+    resp = scripted.http.post(COMP, content=b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}',
+                              headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("name,path,body,status,code", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_scripted_bad_input_is_4xx_json(scripted: Any, name: str, path: str, body: Any, status: int,
+                                        code: str | None) -> None:
+    if code == "context_length_exceeded":
+        pytest.skip("the scripted engine does not check lengths")
+    if isinstance(body, tuple) and body[0] == RAW:
+        resp = scripted.http.post(path, content=body[1], headers={"content-type": body[2]})
+    else:
+        resp = scripted.http.post(path, json=body)
+    _check_error(resp, status, code)
+
+
+def test_api_key_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hmac
+
+    from serving import openai as routes
+
+    calls: list[tuple[bytes, bytes]] = []
+    compare = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return compare(a, b)
+
+    monkeypatch.setattr(routes.hmac, "compare_digest", spy)
+    assert routes.api_key_matches("Bearer sekrit", "sekrit") and routes.api_key_matches("bearer  sekrit ", "sekrit")
+    assert not routes.api_key_matches("Bearer sekri", "sekrit")
+    assert not routes.api_key_matches("Bearer sekrit-and-more", "sekrit")
+    assert len(calls) == 4 and all(len(a) == len(b) == 32 for a, b in calls)  # digests: equal lengths always
+    for header in (None, "", "sekrit", "Basic sekrit", "Bearer", "Bearer \u0100sekrit"):
+        assert not routes.api_key_matches(header, "sekrit")
+    assert routes.api_key_matches("Bearer " + "ключ".encode().decode("latin-1"), "ключ")  # raw UTF-8 bytes
+
+
+def test_scripted_chunked_body_over_the_limit_is_a_json_413(scripted: Any) -> None:
+    from serving.openai import MAX_BODY_BYTES
+
+    def chunks() -> Any:  # no Content-Length: the limit is found while reading
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES // 65536 + 1):
+            yield b"a" * 65536
+        yield b'"}'
+
+    resp = scripted.http.post(COMP, content=chunks(), headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"

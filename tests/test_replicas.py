@@ -1,11 +1,15 @@
-"""Several replicas: where the app places them (one per GPU; GPUs faked, this machine has none), and two
-real replicas on CPU serving one app: load spread, per-replica /slots, and recovery from a killed replica."""
+"""Several replicas: where the app places them (one per GPU; GPUs faked, this machine has none), Serve's
+per-replica limits, how each replica follows the app's config channel and holds its background tasks, and
+two real replicas on CPU serving one app: load spread, per-replica /slots, and recovery from a killed
+replica."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
@@ -13,7 +17,8 @@ import pytest
 from serving import llama as _llama  # noqa: F401  (load order: libllama before numpy)
 from serving import app as serving_app
 from serving.config import EngineConfig
-from serving.control import CHANNEL_NAME
+from serving.control import CHANNEL_NAME, ConfigFollower
+from tests.conftest import assert_generated
 
 APP = "two"
 RECOVERY_S = 120.0
@@ -31,7 +36,8 @@ def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatc
     assert d.name == serving_app.DEPLOYMENT_NAME
     assert d.num_replicas == 2
     assert d.ray_actor_options["num_gpus"] == 1 and d.ray_actor_options["num_cpus"] == 1.0
-    assert d.max_ongoing_requests == 3 + 4  # n_parallel + control_headroom
+    # above anything the engine can hold (the most slots any config may have + its queue) + headroom
+    assert d.max_ongoing_requests == 256 + 17 + 16
     assert d.max_queued_requests == 17
     assert d.user_config == {"engine": config.to_yaml_dict()}
     # the replicas' second argument is the app's ConfigChannel
@@ -45,7 +51,7 @@ def test_cpu_fallback_is_one_replica_without_gpus(monkeypatch: pytest.MonkeyPatc
                                             serving_app.ServerOptions(control_headroom=2, cpus_per_replica=0.5)))
     assert d.num_replicas == 1
     assert "num_gpus" not in d.ray_actor_options and d.ray_actor_options["num_cpus"] == 0.5
-    assert d.max_ongoing_requests == 4 + 2
+    assert d.max_ongoing_requests == 256 + 64 + 2
     assert d.max_queued_requests == 64
 
 
@@ -54,12 +60,142 @@ def test_explicit_replica_count_is_respected(monkeypatch: pytest.MonkeyPatch, gp
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: gpus)
     for given in (3, "3"):  # `serve run ... num_replicas=3` passes a string
         d = deployment_of(serving_app.main({"num_replicas": given, "n_parallel": 2, "n_ctx": 2048}))
-        assert d.num_replicas == 3 and d.max_ongoing_requests == 2 + 4
+        assert d.num_replicas == 3 and d.max_ongoing_requests == 256 + 64 + 16
         assert ("num_gpus" in d.ray_actor_options) == (gpus > 0)
+
+
+def test_serve_limit_does_not_depend_on_the_engine_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live n_parallel change cannot redeploy Serve's limit, so the limit must not depend on it: the
+    engine's queue is the admission control, and Serve's limit stays above anything the engine can hold."""
+    monkeypatch.setattr(serving_app, "_gpus_available", lambda: 0)
+    options = serving_app.ServerOptions(max_queued_requests=8, control_headroom=3)
+    limits = {deployment_of(serving_app.build_app(EngineConfig(n_parallel=n, n_ctx=256 * n), options))
+              .max_ongoing_requests for n in (1, 4, 64, 256)}
+    assert limits == {256 + 8 + 3}
+    with pytest.raises(ValueError):  # no config can hold more slots than the limit was built on
+        EngineConfig(n_parallel=257, n_ctx=257 * 256)
 
 
 def test_gpu_count_comes_from_the_ray_cluster(ray_session: None) -> None:
     assert serving_app._gpus_available() == 0  # the test session's Ray has 8 CPUs and no GPU
+
+
+# -- following the config channel (a fake channel: no Ray) -------------------------------------------
+class FakeChannel:
+    """Stands in for the ConfigChannel's DeploymentHandle (`latest.remote()`, `ack.remote(...)` awaitables),
+    with failures to inject: `fail_latest` / `fail_ack` calls in a row raise."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {"epoch": "e1", "version": 0, "engine": None}
+        self.acks: list[tuple[str, str, int, str | None]] = []
+        self.fail_latest = self.fail_ack = 0
+        self.latest = SimpleNamespace(remote=self._latest)
+        self.ack = SimpleNamespace(remote=self._ack)
+
+    def publish(self, **engine: Any) -> None:
+        self.state = {"epoch": "e1", "version": self.state["version"] + 1, "engine": engine}
+
+    async def _latest(self) -> dict[str, Any]:
+        if self.fail_latest:
+            self.fail_latest -= 1
+            raise ConnectionError("the channel is restarting")
+        return dict(self.state)
+
+    async def _ack(self, replica: str, epoch: str, version: int, error: str | None = None) -> None:
+        if self.fail_ack:
+            self.fail_ack -= 1
+            raise ConnectionError("ack lost")
+        self.acks.append((replica, epoch, version, error))
+
+
+class FakeReplica:
+    """The follower's `apply`: records configs; raises for any n_parallel in `refuse`."""
+
+    def __init__(self, refuse: tuple[int, ...] = ()) -> None:
+        self.applied: list[EngineConfig] = []
+        self.refuse = refuse
+
+    async def apply(self, config: EngineConfig) -> None:
+        self.applied.append(config)
+        if config.n_parallel in self.refuse:
+            raise RuntimeError(f"cannot take n_parallel={config.n_parallel}")
+
+
+def test_follower_survives_a_failed_ack_and_acks_on_the_next_round() -> None:
+    channel, replica = FakeChannel(), FakeReplica()
+    follower = ConfigFollower(channel, "r1", replica.apply, poll_s=0.01)
+
+    async def rounds() -> None:
+        await follower.poll_once()  # nothing published yet
+        channel.publish(n_parallel=2, n_ctx=512)
+        channel.fail_ack = 1
+        await follower.poll_once()  # applied; the ack is lost (this used to end the follower)
+        assert [c.n_parallel for c in replica.applied] == [2] and channel.acks == []
+        await follower.poll_once()  # the ack again, without applying again
+        await follower.poll_once()
+        assert [c.n_parallel for c in replica.applied] == [2]
+        assert channel.acks == [("r1", "e1", 1, None)]
+
+    asyncio.run(rounds())
+
+
+def test_follower_loop_keeps_following_through_every_kind_of_failure() -> None:
+    """The loop itself (as the replica runs it): an unreachable channel, a malformed answer, a lost ack, a
+    config the engine refuses; after all of them the next config is still applied and acknowledged."""
+    channel, replica = FakeChannel(), FakeReplica(refuse=(3,))
+    follower = ConfigFollower(channel, "r1", replica.apply, poll_s=0.001)
+
+    async def until(condition: Any) -> None:
+        for _ in range(5000):
+            if condition():
+                return
+            await asyncio.sleep(0.001)
+        raise AssertionError("the follower stopped following")
+
+    async def scenario() -> None:
+        loop = asyncio.create_task(follower.run())
+        channel.fail_latest = 3
+        channel.publish(n_parallel=3, n_ctx=768)  # refused by the engine
+        channel.fail_ack = 2
+        await until(lambda: len(channel.acks) == 1)
+        assert channel.acks[0][2] == 1 and "cannot take n_parallel=3" in channel.acks[0][3]
+        channel.state = {"unexpected": "shape"}  # a malformed answer
+        await asyncio.sleep(0.02)
+        channel.state = {"epoch": "e1", "version": 1, "engine": {"n_parallel": 3, "n_ctx": 768}}
+        channel.publish(n_parallel=2, n_ctx=512)
+        await until(lambda: len(channel.acks) == 2)
+        assert channel.acks[1] == ("r1", "e1", 2, None)
+        assert [c.n_parallel for c in replica.applied] == [3, 2]  # the refused one was not retried
+        assert not loop.done()
+        loop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loop
+
+    asyncio.run(scenario())
+
+
+def test_background_tasks_are_held_reported_when_they_stop_and_cancelled_together() -> None:
+    async def scenario() -> None:
+        tasks = serving_app.BackgroundTasks()
+        running = asyncio.Event()
+
+        async def forever() -> None:
+            running.set()
+            await asyncio.Event().wait()
+
+        async def crash() -> None:
+            raise RuntimeError("boom")
+
+        tasks.start("forever", forever())
+        tasks.start("crash", crash())
+        await running.wait()
+        await asyncio.sleep(0)
+        assert tasks.ended() == ["crash"]  # check_health then reports the replica unhealthy
+        await asyncio.to_thread(tasks.cancel_all)  # Serve may call __del__ from another thread
+        await asyncio.sleep(0.01)
+        assert tasks.ended() == ["forever", "crash"]
+
+    asyncio.run(scenario())
 
 
 # -- two replicas on CPU ---------------------------------------------------------------------------
@@ -117,7 +253,8 @@ def two(serve_url: str) -> Iterator[str]:
 
 async def complete(http: httpx.AsyncClient, base: str, i: int) -> httpx.Response:
     return await http.post(f"{base}/v1/completions",
-                           json={"prompt": f"Request {i}: a short note about rivers", "max_tokens": 8})
+                           json={"prompt": f"Request {i}: a short note about rivers", "max_tokens": 8,
+                                 "ignore_eos": True})
 
 
 @pytest.mark.timeout(300)
@@ -132,7 +269,7 @@ def test_two_replicas_share_the_load(two: str) -> None:
 
     responses = asyncio.run(burst())
     assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses if r.status_code != 200]
-    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
+    assert all(assert_generated(r.json())["usage"]["completion_tokens"] == 8 for r in responses)
 
     # each replica's counters, read (at random) until both have answered after the burst
     after = slots_by_replica(two)
@@ -186,12 +323,12 @@ def test_killed_replica_is_replaced_and_no_request_hangs(two: str) -> None:
     print(f"around the kill: {codes.count(200)} of {len(codes)} requests answered 200; failures: {failed}")
     assert -1 not in codes, "a request hung"
     assert -2 not in codes, [t for c, t in results if c == -2][:3]
-    # only what was in flight on the killed replica may fail (its slot and its queue: max_ongoing_requests);
-    # the survivor takes the rest
+    # only what was in flight on the killed replica may fail (its slot and its engine queue); the survivor
+    # takes the rest
     assert len(failed) <= 1 + 4 and codes.count(200) >= len(codes) - 5
     for code, text in failed:
         # a clean error status: ours is OpenAI-style JSON; Serve's proxy answers a dead replica's
-        # requests itself, with a plain-text 500 "Internal Server Error"
+        # requests itself, with a plain-text 500 "Internal Server Error" (no app code runs there)
         assert 500 <= code < 600, (code, text)
         assert text.startswith('{"error"') or text == "Internal Server Error", text
     # the app recovers: a new replica replaces the killed one and both serve again
@@ -203,6 +340,7 @@ def test_killed_replica_is_replaced_and_no_request_hangs(two: str) -> None:
 
     async def burst() -> list[int]:
         async with httpx.AsyncClient(timeout=120) as http:
-            return [r.status_code for r in await asyncio.gather(*(complete(http, two, i) for i in range(4)))]
+            rs = await asyncio.gather(*(complete(http, two, i) for i in range(4)))
+            return [r.status_code for r in rs if r.status_code != 200 or assert_generated(r.json())]
 
     assert asyncio.run(burst()) == [200] * 4
