@@ -195,18 +195,19 @@ _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float3
 class Candidates:
     """A reusable llama_token_data_array over the whole vocabulary, filled from one logits row.
 
-    One per context: only the step thread samples, one request at a time. Samplers may move the array's
-    data pointer and shrink its size (top-k does), so every fill resets both.
+    One per context: only the step thread samples, one request at a time. Samplers sort the entries in
+    place, may move the array's data pointer and shrink its size (top-k does), so every fill resets all.
     """
 
     def __init__(self, n_vocab: int) -> None:
         self._data = np.zeros(n_vocab, _TOKEN_DATA)
-        self._data["id"] = np.arange(n_vocab, dtype=np.int32)
+        self._ids = np.arange(n_vocab, dtype=np.int32)
         self._one = np.zeros(1, _TOKEN_DATA)
         self._full = ll.llama_token_data_array(size=n_vocab, selected=-1, sorted=False)
         self._single = ll.llama_token_data_array(size=1, selected=-1, sorted=False)
 
     def fill(self, logits: np.ndarray) -> ll.llama_token_data_array:
+        self._data["id"] = self._ids  # samplers sort the entries in place: ids must be laid out again
         self._data["logit"] = logits
         self._data["p"] = 0.0
         arr = self._full

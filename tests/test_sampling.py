@@ -70,3 +70,12 @@ def test_n_choices_share_one_prefill_and_match_solo_runs(engine: Engine) -> None
     assert evaluated <= len(prompt)  # one prefill at most (a cached prefix makes it less)
     with pytest.raises(ValueError, match="slots"):
         engine.submit_choices(prompt, params, engine.config.n_parallel + 1)
+
+
+def test_a_sampler_chain_that_sorts_agrees_with_greedy_token_after_token(engine: Engine) -> None:
+    """top_k=1 sorts the candidates and leaves one: every token must still be the argmax (the reused
+    candidate array must be laid out afresh for each token)."""
+    prompt = _prompt(engine, "Name three rivers.")
+    greedy = collect(engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0.0)))
+    chained = collect(engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0.7, top_k=1, seed=3)))
+    assert chained.tokens == greedy.tokens
