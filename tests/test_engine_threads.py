@@ -223,6 +223,7 @@ def test_when_even_the_old_config_cannot_be_restored_the_engine_stops_cleanly(
     contexts = _FailingContexts(monkeypatch)
     contexts.fail.update({2048, SMALL.n_ctx})
     running = eng.submit(tokens, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    wait_for(lambda: eng.stats()["slots_busy"] == 1)  # running before the reconfigure asks for a drain
     errors: list[BaseException] = []
 
     def switch() -> None:
