@@ -488,7 +488,7 @@ async def read_message(proc: asyncio.subprocess.Process, timeout_s: float, waiti
         remaining = deadline - time.monotonic()
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), max(remaining, 0.01))
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             raise TimeoutError(f"in-process worker: no '{waiting_for}' within {timeout_s:.0f} s") from None
         if not line:
             code = await proc.wait()
@@ -857,7 +857,7 @@ def format_table(rows: Sequence[Row], memory_label: str = "VRAM") -> str:
                  f"{_num(r.ratio_single, '.3f')} / {_num(r.ratio_multi, '.3f')}",
                  _num(100 * r.roofline_fraction if r.roofline_fraction is not None else None, ".1f"),
                  _num(r.ttft_ms, ".1f"), f"{_gib(r.memory_measured)} / {_gib(r.memory_predicted)}")
-        lines.append("  ".join(f"{c:{align}{width}}" for c, (_, width, align) in zip(cells, COLUMNS)))
+        lines.append("  ".join(f"{c:{align}{width}}" for c, (_, width, align) in zip(cells, COLUMNS, strict=True)))
         if r.error:
             lines.append(f"    ! {r.error[:200]}")
     return "\n".join(lines)
@@ -898,7 +898,7 @@ def initial_report(args: argparse.Namespace, gpu: GpuMemory) -> dict[str, Any]:
     llama_mod = sys.modules.get("llama_cpp")
     version = bs.llama_server_version(args.llama_server) if args.llama_server else None
     return {
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
         "command": shlex.join([sys.executable, *sys.argv]),
         "python": platform.python_version(),

@@ -61,7 +61,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| sampler | trials (feasible) | pick | single tok/s (x baseline) | 4-way tok/s (x baseline) | wall s | weight loads (s) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        def ratio(key: str) -> str:
+        def ratio(key: str, r: dict = r) -> str:
             base = r[f"baseline_{key}"]
             return f"{r[key]:.1f} ({r[key] / base:.2f}x)" if r[key] and base else "-"
         lines.append(f"| {r['sampler']} | {r['trials']} ({r['feasible']}) | `{r['pick']}` | {ratio('single_tok_s')} "
@@ -80,7 +80,7 @@ def main() -> int:
     args.results_dir.mkdir(parents=True, exist_ok=True)
     rows = [summarise(s, run_study(s, args, extra), args) for s in ("tpe", "random")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    meta = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = {"date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "host": platform.node(), "cpu": platform.processor() or platform.machine(), "commit": commit,
             "command": " ".join([sys.executable, *sys.argv]), "prefer": args.prefer}
     md = "\n".join([f"- {k}: {v}" for k, v in meta.items()] + ["", table(rows)]) + "\n"

@@ -87,7 +87,8 @@ def test_raw_stream_ends_with_done_and_carries_no_error(serve_url: str) -> None:
 
 
 def test_concurrent_greedy_requests_match_each_alone(client: openai.OpenAI, model: str) -> None:
-    prompts = ["Name a fruit.", "What is 2+2?", "Describe the sea.", "Say something about cats.", "Why is the sky blue?"]
+    prompts = ["Name a fruit.", "What is 2+2?", "Describe the sea.", "Say something about cats.",
+               "Why is the sky blue?"]
     alone = [chat(client, model, p) for p in prompts]
 
     async def together() -> list[str]:

@@ -300,7 +300,7 @@ def test_killed_replica_is_replaced_and_no_request_hangs(two: str) -> None:
                 try:
                     r = await asyncio.wait_for(complete(http, two, i), timeout=90)
                     results.append((r.status_code, r.text))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     results.append((-1, "hung"))
                 except httpx.HTTPError as exc:
                     results.append((-2, repr(exc)))

@@ -150,7 +150,8 @@ def test_reader_metadata_and_shapes(msg: ModuleType, embedded: object, tiny_mode
     embedded_kvs = {k: v for k, v, _, _ in embedded.kvs}
     assert _reader_value(reader, "tokenizer.chat_template").encode() == embedded_kvs["tokenizer.chat_template"]
     for special in ("bos", "eos"):
-        assert _reader_value(reader, f"tokenizer.ggml.{special}_token_id") == embedded_kvs[f"tokenizer.ggml.{special}_token_id"]
+        key = f"tokenizer.ggml.{special}_token_id"
+        assert _reader_value(reader, key) == embedded_kvs[key]
 
     tensors = {t.name: t for t in reader.tensors}
     assert len(tensors) == model.summary.n_tensors

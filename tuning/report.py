@@ -135,7 +135,8 @@ def plot(rows: list[TrialRow], winner: TrialRow | None, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 5))
     ran = [r for r in rows if r.single > 0]
-    for feasible, style in ((False, dict(c="lightgray", label="infeasible")), (True, dict(c="tab:blue", label="feasible"))):
+    styles = ((False, dict(c="lightgray", label="infeasible")), (True, dict(c="tab:blue", label="feasible")))
+    for feasible, style in styles:
         pts = [r for r in ran if r.feasible == feasible]
         ax.scatter([r.single for r in pts], [r.aggregate for r in pts], s=25, **style)
     front = pareto_front(rows)

@@ -59,7 +59,8 @@ class EngineTrial(tune.Trainable):
         config = to_engine_config(self.config, s.base)
         predicted = predict(s.shape, config, s.on_gpu)
         result: dict[str, Any] = {
-            "done": True, "actor": self.actor, "params": dict(self.config), "n_ctx": config.n_ctx, "n_ubatch_used": config.n_ubatch,
+            "done": True, "actor": self.actor, "params": dict(self.config), "n_ctx": config.n_ctx,
+            "n_ubatch_used": config.n_ubatch,
             "mem_predicted": predicted.total, "mem_budget": s.budget_bytes, "single_tok_s": 0.0,
             "aggregate_tok_s": 0.0, "rejected": "", "error": "",
         }

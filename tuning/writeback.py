@@ -23,7 +23,7 @@ from serving.config import EngineConfig
 def write_config(path: Path, config: EngineConfig, header: str = "") -> None:
     """Write `config` as an `engine:` YAML file; readers see the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# Written by python -m tuning.search on {stamp}."] + [f"# {line}" for line in header.splitlines()]
     text = "\n".join(lines) + "\n" + yaml.safe_dump({"engine": config.to_yaml_dict()}, sort_keys=False)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
