@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     report_dir.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     doc: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
         "machine": f"{machine['cpu']} ({machine['cpus']} CPUs)",
         "command": " ".join(["python", "scripts/fuzz_api.py", *(argv or sys.argv[1:])]),
         "dropped_fields": args.drop_fields or None, "max_tokens_cap": args.max_tokens_cap,

@@ -17,7 +17,8 @@ Phases (see docs/robustness.md for what each one proves):
                 n_batch, back): 0 failed requests and /slots shows each new config.
 * penalised   one request with repeat/frequency/presence penalties among greedy ones: all 200, text, no error.
 * kill        the replica's process SIGKILLed under 8-way load: clients see HTTP errors (no hang), and
-                /health + a completion recover within --recovery-bound-s; the recovery time is recorded.
+                /health + a probe completion recover within --recovery-bound-s. Recovery time: from the kill
+                to the first successful completion of a request sent after it (a client's or the probe's).
 
 /health is polled every --health-interval-s by a thread: each answer must be 200 (a 500/503 is tolerated only
 while the replica is down in the kill phase) in under 1 s.
@@ -40,7 +41,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import threading
@@ -192,7 +192,7 @@ async def send(http: httpx.AsyncClient, base: str, kind: str, body: dict[str, An
 
     try:
         await asyncio.wait_for(run(), timeout=total_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         out.error = f"Timeout(no end within {total_s:.0f} s)"
     except httpx.HTTPError as exc:
         out.error = f"{type(exc).__name__}({str(exc)[:200]})"
@@ -399,7 +399,7 @@ class Soak:
         try:
             r = await asyncio.wait_for(http.get(f"{self.base}/slots"), 10)
             return r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, asyncio.TimeoutError, ValueError):
+        except (TimeoutError, httpx.HTTPError, ValueError):
             return None
 
     async def wait_drained(self, http: httpx.AsyncClient, deadline_s: float) -> tuple[bool, dict[str, Any] | None, float]:
@@ -594,6 +594,9 @@ class Soak:
             old_pids = new_pids = []
             try:
                 await asyncio.sleep(a.kill_warmup_s)
+                warm_deadline = time.monotonic() + 60  # kill a replica that is serving, not one still warming up
+                while sum(o.ok for o in outcomes) < a.kill_clients and time.monotonic() < warm_deadline:
+                    await asyncio.sleep(0.25)
                 old_pids = self.app.replica_pids()
                 pid = self.app.kill_replica()
                 t_kill = time.monotonic()
@@ -604,7 +607,7 @@ class Soak:
                         try:
                             h = await asyncio.wait_for(probe.get(f"{self.base}/health"), 5)
                             healthy = h.status_code == 200
-                        except (httpx.HTTPError, asyncio.TimeoutError):
+                        except (TimeoutError, httpx.HTTPError):
                             healthy = False
                         if healthy and t_health is None:
                             t_health = time.monotonic()
@@ -617,7 +620,7 @@ class Soak:
                         await asyncio.sleep(0.25)
                 new_pids = self.app.replica_pids()
                 if t_recovered is not None:
-                    self.log(f"  recovered {t_recovered - t_kill:.1f} s after the kill (/health 200 after "
+                    self.log(f"  probe completion ok {t_recovered - t_kill:.1f} s after the kill (/health 200 after "
                              f"{t_health - t_kill:.1f} s); replica pids {old_pids} -> {new_pids}")
                     await asyncio.sleep(a.kill_after_s)
             finally:
@@ -627,12 +630,22 @@ class Soak:
         res.down = (t_kill, t_recovered if t_recovered is not None else time.monotonic()) if t_kill else None
         failures, seen = judge_kill(outcomes, t_kill or 0.0)
         errors = Counter(describe(o) for o in outcomes if not o.ok)
+        # service restored: the first request started after the kill that succeeded (a client's or the probe's)
+        firsts = [o.t_start + o.latency_s for o in outcomes if t_kill and o.t_start >= t_kill and o.ok]
+        if t_recovered is not None:
+            firsts.append(t_recovered)
+        t_served = min(firsts) if firsts and t_kill else None
         res.stats = {**summarize(outcomes), **seen,
-                     "recovery_s": _r(t_recovered - t_kill, 1) if t_recovered and t_kill else None,
+                     "recovery_s": _r(t_served - t_kill, 1) if t_served else None,
+                     "probe_ok_after_s": _r(t_recovered - t_kill, 1) if t_recovered and t_kill else None,
                      "health_200_after_s": _r(t_health - t_kill, 1) if t_health and t_kill else None,
                      "replica_pids_before": old_pids, "replica_pids_after": new_pids,
+                     "failed_after_recovery": (sum(not o.ok for o in outcomes if o.t_start >= t_recovered)
+                                               if t_recovered else None),
                      "errors_seen": [f"{n}x {e}" for e, n in errors.most_common(10)]}
         res.failures += failures
+        if t_recovered and res.stats["failed_after_recovery"]:
+            res.failures.append(f"{res.stats['failed_after_recovery']} request(s) started after the recovery failed")
         if t_kill is None:
             res.failures.append("the replica could not be killed")
         elif t_recovered is None:
@@ -648,7 +661,7 @@ class Soak:
         res.t0 = time.monotonic()
         try:
             await asyncio.wait_for(fn(res), bound_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             res.failures.append(f"phase did not finish within its bound of {bound_s:.0f} s")
         except Exception as exc:  # noqa: BLE001  (a crash of the phase is a failed phase, the soak goes on)
             res.failures.append(f"phase crashed: {type(exc).__name__}: {exc}")
@@ -745,7 +758,7 @@ def markdown(doc: dict[str, Any]) -> str:
     for p in doc["phases"]:
         s, h = p["stats"], p["health"]
         notes = []
-        for key in ("recovery_s", "health_200_after_s", "requests_cancelled_delta", "dropped_by_client",
+        for key in ("recovery_s", "health_200_after_s", "probe_ok_after_s", "failed_after_recovery", "requests_cancelled_delta", "dropped_by_client",
                     "drained_after_s", "retry_after_on_503", "greedy_repeat_identical_to_solo"):
             if key in s:
                 notes.append(f"{key}={s[key]}")
@@ -795,7 +808,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--switch-timeout-s", type=float, default=180.0)
     p.add_argument("--penalised-greedy", type=int, default=7, help="greedy requests around the penalised one")
     p.add_argument("--kill-clients", type=int, default=8)
-    p.add_argument("--kill-warmup-s", type=float, default=5.0)
+    p.add_argument("--kill-warmup-s", type=float, default=5.0,
+                   help="load before the kill (then until --kill-clients requests have succeeded, at most 60 s more)")
     p.add_argument("--kill-after-s", type=float, default=5.0, help="load kept on after recovery")
     p.add_argument("--kill-request-timeout-s", type=float, default=60.0)
     p.add_argument("--recovery-bound-s", type=float, default=120.0)
@@ -827,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     _watchdog(args.max_total_s)
     args.out.mkdir(parents=True, exist_ok=True)
     app = LoopbackApp(args.app_args, port=args.port, log_copy_dir=args.out)
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
+    meta = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
             "machine": machine_info(), "command": " ".join(["python", "scripts/soak.py", *(argv or sys.argv[1:])]),
             "app_args": app.app_args}
     t0 = time.monotonic()
