@@ -57,9 +57,10 @@ def drop_fields(body: Any, fields: list[str]) -> Any:
 def cap_generation(body: Any, cap: int) -> Any:
     """Clamp the generation length of a request body (dicts only; anything else is sent as generated).
 
-    Integer max_tokens / max_completion_tokens above `cap` become `cap`; when neither is given, the one the
-    route reads first gets `cap` (chat: max_completion_tokens, so that path is exercised too). Non-integer
-    values (negative tests) are left alone: the server must reject them with a 400.
+    Integer max_tokens / max_completion_tokens above `cap` (integral floats such as 215.0 too: the server
+    accepts them as integers) become `cap`; when neither is given, the one the route reads first gets `cap`
+    (chat: max_completion_tokens, so that path is exercised too). Other values (negative tests) are left
+    alone: the server must reject them with a 400.
     """
     if not isinstance(body, dict):
         return body
@@ -68,7 +69,8 @@ def cap_generation(body: Any, cap: int) -> Any:
         value = body.get(key)
         if key in body and value is not None:
             present = True
-        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+        integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if integral and not isinstance(value, bool) and value > cap:
             body[key] = cap
     if not present:
         body["max_completion_tokens" if "messages" in body else "max_tokens"] = cap
@@ -95,8 +97,24 @@ def sse_error_events(text: str) -> list[str]:
     return errors
 
 
-def response_problem(status: int, content_type: str, text: str) -> str | None:
-    """What is wrong with one response by this project's rules, or None."""
+INCOMPLETE_STREAM = "a 200 stream without data: [DONE]"
+
+
+def documented_types(paths: dict[str, Any], method: str, path: str, status: int) -> set[str]:
+    """Media types the OpenAPI document declares for this operation's `status` (or its default) response."""
+    responses = (paths.get(path, {}).get(method.lower(), {}) or {}).get("responses", {})
+    declared = responses.get(str(status)) or responses.get("default") or {}
+    return {media.split(";")[0].strip() for media in declared.get("content", {})}
+
+
+def response_problem(status: int, content_type: str, text: str, declared: set[str] | frozenset[str] = frozenset()
+                     ) -> str | None:
+    """What is wrong with one response by this project's rules, or None. A body of a non-JSON type that the
+    schema declares for the operation (`declared`: e.g. /metrics' text/plain) is not required to be JSON.
+
+    A stream without [DONE] is reported as INCOMPLETE_STREAM, which the summary lists but does not fail on:
+    the client may have closed it (Serve's proxy logs "Client ... disconnected" then).
+    """
     if status >= 500:
         return f"server error {status}: {text[:300]}"
     if content_type.startswith("text/event-stream"):
@@ -106,7 +124,10 @@ def response_problem(status: int, content_type: str, text: str) -> str | None:
         if errors:
             return f"error event in a 200 stream: {errors[0][:300]}"
         if "data: [DONE]" not in text:
-            return "a 200 stream without data: [DONE]"
+            return INCOMPLETE_STREAM
+        return None
+    media = content_type.split(";")[0].strip()
+    if media and media != "application/json" and media in declared:
         return None
     try:
         body = json.loads(text)
@@ -136,8 +157,11 @@ if __name__ != "__main__":  # loaded by schemathesis as its hooks module
         def openai_response(ctx, response, case):  # noqa: ANN001, ARG001  (schemathesis's check signature)
             """Non-streamed bodies are JSON, errors are OpenAI's error JSON, a 200 stream has no error event."""
             ctype = (response.headers.get("content-type") or [""])[0]
-            problem = response_problem(response.status_code, ctype, response.text)
-            if problem and response.status_code < 500:  # 5xx: not_a_server_error reports it
+            paths = {case.operation.path: {case.operation.method.lower(): case.operation.definition.raw}}
+            declared = documented_types(paths, case.operation.method, case.operation.path, response.status_code)
+            problem = response_problem(response.status_code, ctype, response.text, declared)
+            # 5xx: not_a_server_error reports it; an incomplete stream is listed by the summary only
+            if problem and response.status_code < 500 and problem != INCOMPLETE_STREAM:
                 raise AssertionError(problem)
 
 
@@ -152,8 +176,9 @@ def _har_text(content: dict[str, Any]) -> str:
     return text
 
 
-def analyse_har(har: dict[str, Any], api_paths: list[str]) -> dict[str, Any]:
+def analyse_har(har: dict[str, Any], schema_paths: dict[str, Any]) -> dict[str, Any]:
     """Per operation status counts, and every response that breaks the rules (with its request)."""
+    api_paths = set(schema_paths)
     by_op: dict[str, Counter[str]] = defaultdict(Counter)
     problems: list[dict[str, Any]] = []
     for entry in har.get("log", {}).get("entries", []):
@@ -167,17 +192,21 @@ def analyse_har(har: dict[str, Any], api_paths: list[str]) -> dict[str, Any]:
         text = _har_text(content)
         ctype = content.get("mimeType", "") or next(
             (h.get("value", "") for h in resp.get("headers", []) if h.get("name", "").lower() == "content-type"), "")
-        problem = response_problem(status, ctype, text) if status else "no response (transport error/timeout)"
+        declared = documented_types(schema_paths, method, path, status)
+        problem = (response_problem(status, ctype, text, declared) if status
+                   else "no response (transport error/timeout)")
         if problem:
             problems.append({"operation": op, "status": status, "problem": problem,
                              "request_body": (req.get("postData") or {}).get("text", "")[:2000],
                              "query": req.get("queryString") or None,
                              "response": text[:600]})
     server_errors = [p for p in problems if p["status"] >= 500]
+    incomplete = [p for p in problems if p["problem"] == INCOMPLETE_STREAM]
     return {"requests": sum(sum(c.values()) for c in by_op.values()),
             "by_operation": {op: dict(c) for op, c in sorted(by_op.items())},
             "server_errors": len(server_errors),
-            "other_problems": len(problems) - len(server_errors),
+            "other_problems": len(problems) - len(server_errors) - len(incomplete),
+            "incomplete_streams": len(incomplete),
             "problems": problems}
 
 
@@ -228,7 +257,9 @@ def markdown(doc: dict[str, Any]) -> str:
              f"{doc['schemathesis_rc']}, {doc['fuzz_s']} s; generation capped at {doc['max_tokens_cap']} tokens"
              f"{'; fields dropped from every body: ' + doc['dropped_fields'] if doc['dropped_fields'] else ''}. "
              f"Overall: **{'PASS' if doc['passed'] else 'FAIL'}**.", "",
-             f"{a['requests']} requests; {a['server_errors']} with a 5xx; {a['other_problems']} other problems.", "",
+             f"{a['requests']} requests; {a['server_errors']} with a 5xx; {a['other_problems']} other problems; "
+             f"{a.get('incomplete_streams', 0)} streams without [DONE] (listed, not failed: the client may have "
+             "closed them).", "",
              "| operation | statuses |", "| --- | --- |"]
     only_405 = {op: c for op, c in a["by_operation"].items() if set(c) == {"405"}}
     for op, counts in a["by_operation"].items():
@@ -299,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["app_args"] = app.app_args
         schema = httpx.get(f"{app.url}/openapi.json", timeout=30).json()
         (out / "openapi.json").write_text(json.dumps(schema, indent=1))
-        api_paths = sorted(schema.get("paths", {}))
+        schema_paths = schema.get("paths", {})
         doc["operations"] = [f"{m.upper()} {path}" for path, ops in sorted(schema["paths"].items()) for m in ops]
         print(f"app up on {app.url}; operations: {', '.join(doc['operations'])}", flush=True)
         cmd = ["schemathesis", "run", f"{app.url}/openapi.json", "--checks", "not_a_server_error,openai_response",
@@ -326,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         tail = (out / "schemathesis.log").read_text(errors="replace").splitlines()[-40:]
         print("\n".join(tail), flush=True)
         har = json.loads(har_path.read_text()) if har_path.exists() else {}
-        doc["analysis"] = analyse_har(har, api_paths)
+        doc["analysis"] = analyse_har(har, schema_paths)
         doc["after"] = still_serves(app.url)
     except Exception as exc:  # noqa: BLE001  (reported in the summary, exit code 1)
         doc["error"] = f"{type(exc).__name__}: {exc}"
@@ -334,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         app.stop()
     doc.setdefault("analysis", {"requests": 0, "by_operation": {}, "server_errors": 0, "other_problems": 0,
-                                "problems": []})
+                                "incomplete_streams": 0, "problems": []})
     doc.setdefault("after", {"passed": False})
     doc.setdefault("schemathesis_rc", None)
     doc.setdefault("fuzz_s", None)

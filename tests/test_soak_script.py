@@ -97,6 +97,8 @@ def test_fuzz_caps_generation_and_keeps_invalid_values() -> None:
     assert fuzz.cap_generation({"prompt": "x", "max_tokens": 10**9}, 8)["max_tokens"] == 8
     assert fuzz.cap_generation({"prompt": "x", "max_tokens": "many"}, 8)["max_tokens"] == "many"
     assert fuzz.cap_generation({"prompt": "x", "max_tokens": True}, 8)["max_tokens"] is True
+    assert fuzz.cap_generation({"messages": [], "max_completion_tokens": 215.0}, 8)["max_completion_tokens"] == 8
+    assert fuzz.cap_generation({"prompt": "x", "max_tokens": 2.5}, 8)["max_tokens"] == 2.5
     assert fuzz.cap_generation([1, 2], 8) == [1, 2]
     assert fuzz.drop_fields({"a": 1, "b": 2}, ["a"]) == {"b": 2}
 
@@ -110,6 +112,14 @@ def test_fuzz_response_rules() -> None:
     assert "OpenAI error" in fuzz.response_problem(400, "application/json", '{"detail": "bad"}')
     assert "non-JSON" in fuzz.response_problem(200, "text/plain", "hello")
     assert fuzz.response_problem(500, "text/plain", "Internal Server Error").startswith("server error 500")
+    assert fuzz.response_problem(200, "text/event-stream", 'data: {"choices": []}\n\n') == fuzz.INCOMPLETE_STREAM
+    # a non-JSON type the schema declares (Prometheus text on /metrics) is fine; undeclared it is not
+    paths = {"/metrics": {"get": {"responses": {"200": {"content": {"text/plain; version=1.0.0": {}}}}}}}
+    declared = fuzz.documented_types(paths, "GET", "/metrics", 200)
+    assert declared == {"text/plain"}
+    assert fuzz.response_problem(200, "text/plain; version=1.0.0; charset=utf-8", "# HELP x", declared) is None
+    assert fuzz.response_problem(200, "text/plain", "# HELP x") is not None
+    assert fuzz.documented_types(paths, "GET", "/nope", 200) == set()
 
 
 def test_fuzz_har_analysis_lists_server_errors_with_their_requests() -> None:
@@ -124,8 +134,12 @@ def test_fuzz_har_analysis_lists_server_errors_with_their_requests() -> None:
         entry("POST", "/v1/completions", 500, '{"error": {"message": "boom"}}', '{"prompt": "y"}'),
         entry("POST", "/v1/completions", 400, '{"detail": []}', '{"prompt": 1}'),
     ]}}
-    a = fuzz.analyse_har(har, ["/health", "/v1/completions"])
-    assert a["requests"] == 4 and a["server_errors"] == 2 and a["other_problems"] == 1
-    assert a["by_operation"]["POST /v1/completions"] == {"500": 2, "400": 1}
+    cut = entry("POST", "/v1/completions", 200, 'data: {"choices": []}\n\n', '{"prompt": "z", "stream": true}')
+    cut["response"]["content"]["mimeType"] = "text/event-stream"
+    har["log"]["entries"].append(cut)
+    a = fuzz.analyse_har(har, {"/health": {}, "/v1/completions": {}})
+    assert a["requests"] == 5 and a["server_errors"] == 2 and a["other_problems"] == 1
+    assert a["incomplete_streams"] == 1
+    assert a["by_operation"]["POST /v1/completions"] == {"500": 2, "400": 1, "200": 1}
     groups = fuzz.group_problems(a["problems"])
     assert groups[0]["status"] == 500 and groups[0]["count"] == 2 and groups[0]["request_body"] == '{"prompt": "x"}'
