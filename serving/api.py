@@ -1,7 +1,9 @@
 """OpenAI request/response shapes and OpenAI's error JSON. Pure data: no Ray, no libllama, no FastAPI.
 
-Requests are parsed into typed models (unknown fields are ignored, as vLLM does, so clients that send
-extra OpenAI options keep working); values out of range get a 400 naming the parameter. Every bound here
+Requests are parsed into typed models; values out of range get a 400 naming the parameter. Nothing is
+silently ignored: a field this server does not implement gets a 400 naming it (`unsupported_fields`),
+except fields that never change an answer (`user`, `metadata`, ...) and unimplemented ones sent with
+their do-nothing value (null, false). Every bound here
 exists so that no request body can reach the engine with a value it cannot take (a number llama.cpp
 stores in 32 bits, a float that is not finite, text that is not valid Unicode): bad input is the client's
 400, never the server's 500. Responses are built as plain dicts: one is made per streamed token, and
@@ -10,18 +12,23 @@ dicts are the cheapest thing to serialise.
 
 from __future__ import annotations
 
-import time
-import uuid
+import json
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serving.request import FinishReason, GenerationChunk, SamplingParams, Usage
+from serving.reasoning import ReasoningFormat
+from serving.request import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # stop strings are matched against the text on every token: keep each one short
 INT32_MAX = 2**31 - 1  # llama.cpp's top_k and penalty_last_n are int32
 UINT32_MAX = 2**32 - 1  # llama.cpp's seeds are uint32
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; completions allow 5
+NO_EFFECT_FIELDS = frozenset({  # accepted: they never change what is generated
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "cache_prompt",
+})
 
 
 class APIError(Exception):
@@ -65,13 +72,80 @@ StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(_en
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes once at the end
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON that validates against a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # llama-server's spelling for json_object
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """Hugging Face templates read `arguments` as a mapping (OpenAI sends JSON text)."""
+        args: Any = self.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass  # a template renders the text as it came
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's plus llama-server's extensions)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: Text | None = None
     max_tokens: int | None = Field(None, ge=1, description="default: until the slot's context is full")
@@ -87,8 +161,60 @@ class _SamplingFields(BaseModel):
     stop: StopString | list[StopString] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=256, description="choices, at most the server's slots (they run at once)")
     ignore_eos: bool = False
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id -> bias added to its logit; -100 bans it, 100 forces it")
+    grammar: Text | None = Field(None, description="llama-server's raw GBNF grammar (root rule 'root')")
+    json_schema: dict[str, Any] | None = Field(None, description="llama-server's: constrain to this JSON schema")
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _body_is_an_object(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise ValueError("the request body must be a JSON object")
+        return data
+
+    def unsupported_fields(self) -> list[str]:
+        """Fields sent that this server does not implement (and that would change the answer)."""
+        extra = self.model_extra or {}
+        return sorted(k for k, v in extra.items() if k not in NO_EFFECT_FIELDS and v not in (None, False, 0, [], {}))
+
+    def constraint_grammar(self) -> str | None:
+        """The grammar that `grammar`, `json_schema` or `response_format` ask for (at most one of them)."""
+        from serving.structured import response_format_grammar, json_schema_grammar
+
+        asked = [name for name, value in (("grammar", self.grammar), ("json_schema", self.json_schema),
+                                          ("response_format", self.response_format)) if value is not None
+                 and not (name == "response_format" and value.type == "text")]
+        if len(asked) > 1:
+            raise ValueError(f"send one of {', '.join(asked)}, not several")
+        if self.grammar is not None:
+            return self.grammar
+        if self.json_schema is not None:
+            return json_schema_grammar(self.json_schema)
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ValueError("response_format json_schema needs a json_schema object")
+            return response_format_grammar("json_schema", fmt.json_schema.schema_)
+        if fmt.type == "json_object" and fmt.schema_:
+            return json_schema_grammar(fmt.schema_)
+        return response_format_grammar(fmt.type)
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias); OpenAI's -100 means "never": -inf, so it really never appears."""
+        out = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys are token ids; {key!r} is not one") from None
+            out.append((token, -math.inf if value <= -100 else value))
+        return tuple(out)
 
     @field_validator("stop")
     @classmethod
@@ -97,14 +223,11 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported; send separate requests for more choices")
-        return value
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; k >= 0: the chosen token's and the k most likely (per endpoint's fields)."""
+        return None
 
-    def sampling_params(self, n_ctx_slot: int | None = None) -> SamplingParams:
+    def sampling_params(self, n_ctx_slot: int | None = None, grammar: str | None = None) -> SamplingParams:
         """The engine's parameters; `repeat_last_n` is capped at the slot (a penalty window longer than
         what a slot holds means the same, and llama.cpp allocates the window up front)."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -114,8 +237,10 @@ class _SamplingFields(BaseModel):
         return SamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repeat_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, penalty_last_n=max(last_n, 0), seed=self.seed,
-            stop=tuple(s for s in stops if s), ignore_eos=self.ignore_eos,
+            frequency_penalty=self.frequency_penalty, penalty_last_n=max(last_n, 0),
+            seed=None if self.seed is None or self.seed < 0 else self.seed,
+            stop=tuple(s for s in stops if s), ignore_eos=self.ignore_eos, logit_bias=self.bias(),
+            grammar=grammar, logprobs=self.top_logprobs_asked(),
         )
 
     @property
@@ -125,7 +250,7 @@ class _SamplingFields(BaseModel):
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
+    type: Literal["text", "input_text", "output_text"]
     text: Text
 
 
@@ -133,39 +258,78 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: Text | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
-        """Templates expect plain string content; text parts are joined."""
+        """Templates expect plain string content (text parts are joined), tool calls with mapping arguments."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_format: ReasoningFormat = Field(ReasoningFormat.auto, description="llama-server's: none leaves "
+                                              "<think> text in the content; auto/deepseek move it to "
+                                              "reasoning_content")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat "
+                                                        "template, e.g. {\"enable_thinking\": false}")
 
     @model_validator(mode="after")
     def _newer_max_tokens_name(self) -> ChatCompletionRequest:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def function_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or []]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[int] | list[Text] = Field(...)
+    prompt: Text | list[int] | list[Text] | list[list[int]] = Field(..., description="one prompt, or a list "
+                                                                    "of prompts (text or token ids)")
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("send one prompt per request (a list of several prompts is not supported)")
-            value = value[0]
-        if not value:
+    def _not_empty(cls, value: str | list[int] | list[str] | list[list[int]]) -> Any:
+        if not value or (isinstance(value, list) and any(isinstance(p, (str, list)) and not p for p in value)):
             raise ValueError("the prompt is empty")
         return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: OpenAI takes one or many, as text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -202,65 +366,77 @@ def internal_error(request_id: str) -> APIError:
                     type_="server_error", code="internal_error")
 
 
-# -- responses ---------------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+class ResponsesInputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-def usage_dict(usage: Usage | None) -> dict[str, Any]:
-    usage = usage or Usage()
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
+class ResponsesTextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"] = "text"
 
 
-def finish_reason(chunk: GenerationChunk) -> str | None:
-    """OpenAI knows 'stop' and 'length'; a cancelled or failed request never reaches a client as such."""
-    reason = chunk.finish_reason
-    if reason in (FinishReason.stop, FinishReason.length):
-        return FinishReason(reason).value
-    return None
+class ResponsesText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: ResponsesTextFormat | None = None
 
 
-class ResponseBuilder:
-    """Builds the JSON bodies of one response (chat or text completion), streamed or whole."""
+class ResponsesRequest(BaseModel):
+    """OpenAI's /v1/responses for plain text in and out: `input` as text or messages, `instructions`."""
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat, self.model = chat, model
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+    model: Text | None = None
+    input: Text | list[ResponsesInputMessage] = Field(..., min_length=1)
+    instructions: Text | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    text: ResponsesText | None = None
+    truncation: Literal["disabled"] | None = None
+    parallel_tool_calls: bool | None = None
 
-    def stream_chunk(self, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
-            if text and not first:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        return self._envelope("text_completion", [choice])
+    @model_validator(mode="before")
+    @classmethod
+    def _body_is_an_object(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise ValueError("the request body must be a JSON object")
+        return data
 
-    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": usage_dict(usage)}
+    def unsupported_fields(self) -> list[str]:
+        extra = self.model_extra or {}
+        noop = NO_EFFECT_FIELDS | {"reasoning", "tool_choice", "tools", "include"}
+        idle = (None, False, 0, [], {}, "none", "auto")
+        return sorted(k for k, v in extra.items() if k not in noop and v not in idle)
 
-    def whole(self, text: str, reason: str | None, usage: Usage | None) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        usage = usage or Usage()
-        body = self._envelope(self.object, [choice])
-        body["usage"] = usage_dict(usage)
-        body["timings"] = {"ttft_ms": None if usage.ttft_s is None else usage.ttft_s * 1e3,
-                           "predicted_per_second": usage.decode_tok_s}
-        return body
+    def messages(self) -> list[dict[str, Any]]:
+        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return [*out, {"role": "user", "content": self.input}]
+        return [*out, *({"role": m.role, "content": m.text()} for m in self.input)]
 
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p)
+
+
+class TokenizeRequest(BaseModel):
+    """llama-server's /tokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+    content: Text
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """llama-server's /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+    tokens: list[int]

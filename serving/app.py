@@ -19,15 +19,17 @@ counts queued ones too: a replica with a backlog (or one draining for a config c
 
 
 import asyncio
+import importlib.metadata
 import logging
 import threading
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
 
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -37,6 +39,7 @@ from serving.control import ConfigChannel, ConfigFollower
 from serving.engine import Engine
 from serving.metrics import CONTENT_TYPE, ReplicaMetrics
 from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middleware
+from serving.request import SamplingParams
 
 log = logging.getLogger("serving")
 
@@ -46,6 +49,7 @@ TUNED_CONFIG = REPO_ROOT / "configs" / "tuned.yaml"
 DEPLOYMENT_NAME = "LlamaServer"
 METRICS_SAMPLE_S = 1.0
 LOAD_FAILED = "the model failed to load; the reason is in the server log"
+BINDINGS_VERSION = importlib.metadata.version("llama-cpp-python")
 
 
 def _n_parallel_limit() -> int:
@@ -65,8 +69,16 @@ class ServerOptions(BaseModel):
     control_headroom: int = Field(16, ge=1, description="requests a replica takes beyond what its engine can "
                                   "hold, so /health, /slots and /metrics never wait behind completions")
     api_key: str | None = Field(None, description="if set, requests need 'Authorization: Bearer <key>'")
+    cors_origins: list[str] = Field(default_factory=list, description="origins browsers may call from "
+                                    "(CORS), e.g. ['*'] or 'https://a.example,https://b.example'; none: no CORS")
     cpus_per_replica: float = Field(1.0, gt=0)
     config_poll_s: float = Field(1.0, gt=0, description="how often replicas look for a published config")
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        """`serve run ... cors_origins=a,b` passes one string."""
+        return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
 
     @property
     def max_ongoing_requests(self) -> int:
@@ -122,7 +134,11 @@ def _replica_api_key() -> str | None:
     return serve.get_replica_context().servable_object.api_key
 
 
-install_middleware(_replica_api_key)
+def _replica_cors_origins() -> list[str]:
+    return list(serve.get_replica_context().servable_object.cors_origins)
+
+
+install_middleware(_replica_api_key, _replica_cors_origins)
 
 
 @serve.deployment(name=DEPLOYMENT_NAME, health_check_period_s=10)
@@ -134,6 +150,7 @@ class LlamaServer(OpenAIRoutes):
     def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:
         self._options = ServerOptions(**options)
         self.api_key = self._options.api_key
+        self.cors_origins = self._options.cors_origins
         self._replica = serve.get_replica_context().replica_id.unique_id
         self.metrics = ReplicaMetrics(self._replica)
         self._engine: Engine | None = None
@@ -242,6 +259,18 @@ class LlamaServer(OpenAIRoutes):
     async def slots(self) -> dict[str, Any]:
         """Slots, queue, counters and the running config, like llama-server's /slots plus /props."""
         return {"replica": self._replica, **self.ready_engine().stats()}
+
+    @api.get("/props", responses=ERROR_RESPONSES)
+    async def props(self) -> dict[str, Any]:
+        """llama-server's /props: the generation defaults, slots, model and chat template."""
+        engine = self.ready_engine()
+        config = engine.config
+        return {
+            "default_generation_settings": {"n_ctx": engine.n_ctx_slot, "params": asdict(SamplingParams())},
+            "total_slots": config.n_parallel, "model_path": str(config.model_path), "model_alias": config.served_name,
+            "chat_template": engine.chat_template.source, "n_vocab": engine.n_vocab, "n_ctx_train": engine.n_ctx_train,
+            "config": config.to_yaml_dict(), "build_info": f"llama-cpp-python {BINDINGS_VERSION}",
+        }
 
     @api.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
     async def prometheus(self) -> Response:

@@ -48,10 +48,9 @@ class ChatTemplate:
         """Render as Hugging Face's apply_chat_template does: `tools` in OpenAI's shape, extra keyword
         arguments (e.g. `enable_thinking`) visible to the template as variables."""
         try:
-            return self._template.render(
-                **template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
-                tools=tools, bos_token=self._bos, eos_token=self._eos,
-            )
+            variables = {**template_kwargs, "messages": messages, "tools": tools, "bos_token": self._bos,
+                         "eos_token": self._eos, "add_generation_prompt": add_generation_prompt}
+            return self._template.render(**variables)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:

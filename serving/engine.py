@@ -132,6 +132,9 @@ class Engine:
         """Tokenise a prompt as llama-server does (specials parsed, BOS when the vocabulary adds one)."""
         return self._with_model(lambda m: m.tokenize(text))
 
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self._with_model(lambda m: m.tokenize(text, add_special, parse_special))
+
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     **template_kwargs: Any) -> str:
         """Render chat messages with the model's own template (from the GGUF metadata)."""

@@ -22,6 +22,9 @@ from ray.serve import metrics as ray_metrics
 from serving.request import FinishReason, Usage
 
 TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+E2E_BOUNDARIES_S = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
+ITL_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0]
+CONFIG_LABELS = ("n_parallel", "n_ctx", "n_batch", "n_ubatch", "type_k", "type_v", "flash_attn", "spec_mode")
 CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
 
 
@@ -49,8 +52,16 @@ class ReplicaMetrics:
                                      (*labels, "cause"), registry=reg),
             "ttft": prom.Histogram("llm_time_to_first_token_s", "Time from arrival to first token.", labels,
                                    buckets=TTFT_BOUNDARIES_S, registry=reg),
+            "e2e": prom.Histogram("llm_e2e_request_latency_s", "Time from arrival to the last token.", labels,
+                                  buckets=E2E_BOUNDARIES_S, registry=reg),
+            "itl": prom.Histogram("llm_inter_token_latency_s", "Mean time between tokens, one sample per request.",
+                                  labels, buckets=ITL_BOUNDARIES_S, registry=reg),
             "queue": prom.Gauge("llm_queue_depth", "Requests waiting for a slot.", labels, registry=reg),
             "busy": prom.Gauge("llm_slots_busy", "Slots in use.", labels, registry=reg),
+            "kv": prom.Gauge("llm_kv_cells_used", "K/V cells holding tokens, all slots.", labels, registry=reg),
+            "kv_total": prom.Gauge("llm_kv_cells", "K/V cells allocated, all slots.", labels, registry=reg),
+            "config": prom.Gauge("llm_engine_config", "The running engine config (value 1; the config in labels).",
+                                 (*labels, *CONFIG_LABELS), registry=reg),
         }
         tags = ("model",)
         self._ray = {
@@ -65,8 +76,14 @@ class ReplicaMetrics:
                                             tag_keys=("model", "cause")),
             "ttft": ray_metrics.Histogram("llm_time_to_first_token_s", description="Time from arrival to first token.",
                                           boundaries=TTFT_BOUNDARIES_S, tag_keys=tags),
+            "e2e": ray_metrics.Histogram("llm_e2e_request_latency_s", description="Time from arrival to the last "
+                                         "token.", boundaries=E2E_BOUNDARIES_S, tag_keys=tags),
+            "itl": ray_metrics.Histogram("llm_inter_token_latency_s", description="Mean time between tokens, one "
+                                         "sample per request.", boundaries=ITL_BOUNDARIES_S, tag_keys=tags),
             "queue": ray_metrics.Gauge("llm_queue_depth", description="Requests waiting for a slot.", tag_keys=tags),
             "busy": ray_metrics.Gauge("llm_slots_busy", description="Slots in use.", tag_keys=tags),
+            "kv": ray_metrics.Gauge("llm_kv_cells_used", description="K/V cells holding tokens.", tag_keys=tags),
+            "kv_total": ray_metrics.Gauge("llm_kv_cells", description="K/V cells allocated.", tag_keys=tags),
         }
 
     def _labels(self, **extra: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -88,10 +105,16 @@ class ReplicaMetrics:
             if usage.completion_tokens:
                 self._inc("generated", usage.completion_tokens)
             if usage.ttft_s is not None:
-                labels, tags = self._labels()
-                self._prom["ttft"].labels(**labels).observe(usage.ttft_s)
-                self._ray["ttft"].observe(usage.ttft_s, tags=tags)
+                self._observe("ttft", usage.ttft_s)
+                self._observe("e2e", usage.ttft_s + usage.decode_s)
+            if usage.completion_tokens > 1 and usage.decode_s > 0:
+                self._observe("itl", usage.decode_s / (usage.completion_tokens - 1))
         self._inc("requests", reason=_reason(reason))
+
+    def _observe(self, name: str, value: float) -> None:
+        labels, tags = self._labels()
+        self._prom[name].labels(**labels).observe(value)
+        self._ray[name].observe(value, tags=tags)
 
     def record_rejected(self, cause: str) -> None:
         """A request turned away before it reached a slot (`queue_full`, `engine_stopped`, `loading`)."""
@@ -99,9 +122,15 @@ class ReplicaMetrics:
 
     def record_snapshot(self, stats: dict[str, Any]) -> None:
         labels, tags = self._labels()
-        for name, key in (("queue", "queue_depth"), ("busy", "slots_busy")):
-            self._prom[name].labels(**labels).set(stats[key])
-            self._ray[name].set(stats[key], tags=tags)
+        values = {"queue": stats["queue_depth"], "busy": stats["slots_busy"],
+                  "kv": sum(slot["n_cached"] for slot in stats["slots"]),
+                  "kv_total": stats["n_ctx_slot"] * len(stats["slots"])}
+        for name, value in values.items():
+            self._prom[name].labels(**labels).set(value)
+            self._ray[name].set(value, tags=tags)
+        config = stats["config"]
+        self._prom["config"].clear()
+        self._prom["config"].labels(**labels, **{k: str(config.get(k, "")) for k in CONFIG_LABELS}).set(1)
 
     def exposition(self, stats: dict[str, Any] | None = None) -> bytes:
         """Prometheus text format of this replica's metrics; gauges refreshed from `stats` when given."""

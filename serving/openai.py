@@ -17,28 +17,36 @@ import hmac
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.api import (
-    APIError, ChatCompletionRequest, CompletionRequest, ErrorBody, ResponseBuilder, finish_reason, internal_error,
-    validation_error,
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorBody, NamedToolChoice,
+    ResponsesRequest, TokenizeRequest, internal_error, validation_error,
 )
 from serving.chat_template import ChatTemplateError
 from serving.errors import EngineStoppedError, PromptTooLongError, QueueFullError
+from serving.reasoning import START as THINK_START
+from serving.reasoning import ReasoningFormat
 from serving.request import FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage
+from serving.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
+from serving.structured import GrammarError, tool_call_grammar
+from serving.tools import messages_for_plain_template
 
 if TYPE_CHECKING:
     from serving.engine import Engine
 
 log = logging.getLogger("serving")
+T = TypeVar("T")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # far more than any slot's context as JSON; a 413 beyond it
 PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
@@ -185,8 +193,30 @@ class GuardMiddleware:
         return None
 
 
-def install_middleware(key_of: Callable[[], str | None]) -> None:
+class DynamicCORSMiddleware:
+    """CORS for browser clients, with the origins of the replica that serves (ServerOptions.cors_origins):
+    Starlette's CORSMiddleware, built on the first request, once the replica's options are known. No
+    origins configured: no CORS headers, as before."""
+
+    def __init__(self, app: ASGIApp, origins_of: Callable[[], list[str]]) -> None:
+        self.app, self.origins_of = app, origins_of
+        self._inner: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan events come before the replica exists
+            await self.app(scope, receive, send)
+            return
+        if self._inner is None:
+            origins = self.origins_of()
+            self._inner = CORSMiddleware(self.app, allow_origins=origins, allow_methods=["*"],
+                                         allow_headers=["*"], expose_headers=["Retry-After", "X-Request-ID"]) \
+                if origins else self.app
+        await self._inner(scope, receive, send)
+
+
+def install_middleware(key_of: Callable[[], str | None], origins_of: Callable[[], list[str]]) -> None:
     api.add_middleware(GuardMiddleware, key_of=key_of)
+    api.add_middleware(DynamicCORSMiddleware, origins_of=origins_of)  # outermost: preflights need no key
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -212,32 +242,87 @@ DONE = "data: [DONE]\n\n"
 GENERATION_FAILED = "generation failed"
 
 
-async def sse_events(chunks: AsyncIterable[GenerationChunk], builder: ResponseBuilder, include_usage: bool,
-                     metrics: RequestRecorder, rid: str) -> AsyncIterator[str]:
-    """Server-sent events for one generation; always ends with `[DONE]` unless the client went away.
+def _generation_failed(chunk: GenerationChunk) -> APIError:
+    return APIError(500, chunk.error or GENERATION_FAILED, type_="server_error", code="generation_failed")
 
-    An error chunk (the engine failed this request) sends the text it carries, then OpenAI's error JSON as
-    an event. Anything raised here (a bug) becomes the same error event with a generic message, since the
-    200 status and headers are already out.
-    """
-    first = True
+
+async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """(choice index, chunk) from several handles as they come; one handle is read directly."""
+    if len(handles) == 1:
+        async for chunk in handles[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, GenerationChunk] | None] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        async for chunk in handle:
+            await queue.put((index, chunk))
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     try:
-        async for chunk in chunks:
-            failed = chunk.finish_reason == FinishReason.error
-            reason = finish_reason(chunk)
-            if chunk.text or reason or first:
-                yield _event(builder.stream_chunk(chunk.text, reason, first))
-                first = False
-            if failed:
+        open_ = len(tasks)
+        while open_:
+            item = await queue.get()
+            if item is None:
+                open_ -= 1
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+@dataclass
+class Job:
+    """One answer in the making: the choices' handles and states, and how to shape them."""
+
+    handles: list[RequestHandle]
+    states: list[ChoiceState]
+    response: ChatResponse | CompletionResponse
+    prompts: int = 1
+    echoes: list[str] = field(default_factory=list)
+
+    def usage(self) -> Usage:
+        return total_usage(self.states, self.prompts)
+
+    def openings(self) -> list[dict[str, Any]]:
+        if isinstance(self.response, ChatResponse):
+            return [self.response.opening(s.index) for s in self.states]
+        frames = [self.response.opening(s.index, e) for s, e in zip(self.states, self.echoes, strict=True)]
+        return [f for f in frames if f is not None]
+
+    def whole(self) -> dict[str, Any]:
+        if isinstance(self.response, ChatResponse):
+            return self.response.whole(self.states, self.usage())
+        return self.response.whole(self.states, self.usage(), self.echoes)
+
+
+async def sse_events(job: Job, include_usage: bool, metrics: RequestRecorder, rid: str) -> AsyncIterator[str]:
+    """Server-sent events for one answer; always ends with `[DONE]` unless the client went away.
+
+    An error chunk (the engine failed a choice) sends OpenAI's error JSON as an event, then `[DONE]`.
+    Anything raised here (a bug) becomes the same error event with a generic message, since the 200 status
+    and headers are already out.
+    """
+    try:
+        for frame in job.openings():
+            yield _event(frame)
+        async for index, chunk in merged(job.handles):
+            state = job.states[index]
+            if chunk.finish_reason == FinishReason.error:  # what came before the error (merged in) goes first
+                for frame in job.response.stream(state, state.feed(replace(chunk, finish_reason=None, usage=None))):
+                    yield _event(frame)
                 metrics.record_request(chunk.usage, FinishReason.error)
-                err = APIError(500, chunk.error or GENERATION_FAILED, type_="server_error", code="generation_failed")
-                yield _event(err.body())
+                yield _event(_generation_failed(chunk).body())
                 break
+            for frame in job.response.stream(state, state.feed(chunk)):
+                yield _event(frame)
             if chunk.finish_reason is not None:
                 metrics.record_request(chunk.usage, chunk.finish_reason)
-                if include_usage:
-                    yield _event(builder.usage_chunk(chunk.usage))
-                break
+        else:
+            if include_usage:
+                yield _event(job.response.usage_chunk(job.usage()))
         yield DONE
     except Exception:
         log.exception("streaming failed (request id %s)", rid)
@@ -261,24 +346,121 @@ class OpenAIRoutes:
     @api.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         engine = self.ready_engine()
-        _check_model(engine, body.model)
+        _check_request(engine, body)
+        plan = plan_tools(body)
         messages = [m.as_template_dict() for m in body.messages]
-        tokens = await _off_loop(lambda: engine.tokenize_prompt(_render(engine, messages, request)))
-        return await self._respond(engine, tokens, body, request, chat=True)
+        kwargs = body.chat_template_kwargs or {}
+        prompt = await _off_loop(lambda: _render(engine, messages, plan.tools, kwargs, request))
+        tokens = await _off_loop(lambda: engine.tokenize_prompt(prompt))
+        grammar = _grammar(body, plan.grammar)
+        params = _params(body, engine, grammar)
+        handles = self._submit(engine, tokens, params, body.n, param="messages")
+        reasoning = body.reasoning_format != ReasoningFormat.none
+        thinking_open = reasoning and prompt.rstrip().endswith(THINK_START)
+        states = [ChoiceState(i, reasoning=reasoning, thinking_open=thinking_open, tools=plan.parse)
+                  for i in range(len(handles))]
+        job = Job(handles, states, ChatResponse(engine.config.served_name, engine.token_piece, body.logprobs))
+        return await self._answer(job, body, request)
 
     @api.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         engine = self.ready_engine()
-        _check_model(engine, body.model)
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            n_vocab = engine.n_vocab
-            if any(not 0 <= t < n_vocab for t in prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {n_vocab})", param="prompt")
-            tokens = list(prompt)
-        else:
-            tokens = await _off_loop(lambda: engine.tokenize_prompt(prompt))
-        return await self._respond(engine, tokens, body, request, chat=False)
+        _check_request(engine, body)
+        prompts = body.prompts()
+        tokenized = [await _off_loop(lambda p=p: engine.tokenize_prompt(p)) if isinstance(p, str) else p
+                     for p in prompts]
+        params = _params(body, engine, _grammar(body, None))
+        handles: list[RequestHandle] = []
+        try:
+            for tokens in tokenized:
+                handles += self._submit(engine, tokens, params, body.n, param="prompt")
+        except BaseException:
+            for handle in handles:  # a later prompt was refused: the earlier ones must not run for nobody
+                handle.cancel()
+            raise
+        echoes = [""] * len(handles)
+        if body.echo:
+            texts = [p if isinstance(p, str) else engine.detokenize(p) for p in prompts]
+            echoes = [texts[i // body.n] for i in range(len(handles))]
+        response = CompletionResponse(engine.config.served_name, engine.token_piece, body.logprobs is not None)
+        job = Job(handles, [ChoiceState(i) for i in range(len(handles))], response, len(prompts), echoes)
+        return await self._answer(job, body, request)
+
+    @api.post("/v1/responses", responses=ERROR_RESPONSES)
+    async def responses(self, body: ResponsesRequest, request: Request) -> Any:
+        """OpenAI's Responses API for text in, text out (streamed as its typed events, or whole)."""
+        engine = self.ready_engine()
+        _check_request(engine, body)
+        messages = body.messages()
+        prompt = await _off_loop(lambda: _render(engine, messages, None, {}, request))
+        tokens = await _off_loop(lambda: engine.tokenize_prompt(prompt))
+        handle = self._submit(engine, tokens, body.sampling_params(), 1, param="input")[0]
+        answer = ResponsesAnswer(engine.config.served_name, body.model_dump(mode="json"))
+        state = ChoiceState(0)
+        if body.stream:
+            return StreamingResponse(self._responses_stream(handle, answer, state, request_id(request.headers)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        async with _cancel_unless_finished([handle], self.metrics):
+            async for chunk in handle:
+                if chunk.finish_reason == FinishReason.error:
+                    self.metrics.record_request(chunk.usage, FinishReason.error)
+                    raise _generation_failed(chunk)
+                state.feed(chunk)
+                if chunk.finish_reason is not None:
+                    self.metrics.record_request(chunk.usage, chunk.finish_reason)
+        status = "incomplete" if state.finish == "length" else "completed"
+        return answer.body(status, state.content, state.usage, state.finish)
+
+    async def _responses_stream(self, handle: RequestHandle, answer: ResponsesAnswer, state: ChoiceState,
+                                rid: str) -> AsyncIterator[str]:
+        def typed(event: dict[str, Any]) -> str:
+            return f"event: {event['type']}\n" + _event(event)
+
+        async with _cancel_unless_finished([handle], self.metrics):
+            try:
+                for event in answer.opening():
+                    yield typed(event)
+                async for chunk in handle:
+                    if chunk.finish_reason == FinishReason.error:
+                        self.metrics.record_request(chunk.usage, FinishReason.error)
+                        yield typed(answer.event("error", **_generation_failed(chunk).body()["error"]))
+                        return
+                    delta = state.feed(chunk)
+                    if delta.content:
+                        yield typed(answer.delta(delta.content))
+                    if chunk.finish_reason is not None:
+                        self.metrics.record_request(chunk.usage, chunk.finish_reason)
+                for event in answer.closing(state.content, state.usage, state.finish):
+                    yield typed(event)
+            except Exception:
+                log.exception("streaming failed (request id %s)", rid)
+                yield typed(answer.event("error", **internal_error(rid).body()["error"]))
+
+    @api.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """llama-server's /tokenize: token ids, or {id, piece} with `with_pieces` (a piece that is not whole
+        UTF-8 comes as its bytes)."""
+        engine = self.ready_engine()
+        tokens = await _off_loop(lambda: engine.tokenize(body.content, body.add_special, body.parse_special))
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        out = []
+        for token in tokens:
+            raw = engine.token_piece(token)
+            try:
+                piece: str | list[int] = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(raw)
+            out.append({"id": token, "piece": piece})
+        return {"tokens": out}
+
+    @api.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        engine = self.ready_engine()
+        try:
+            return {"content": engine.detokenize(body.tokens)}
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tokens") from exc
 
     @api.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(self) -> dict[str, Any]:
@@ -290,35 +472,30 @@ class OpenAIRoutes:
         }]}
 
     # -- helpers -------------------------------------------------------------------------------------
-    async def _respond(self, engine: Engine, tokens: list[int], body: Any, request: Request, chat: bool) -> Any:
-        params = body.sampling_params(engine.n_ctx_slot)
-        handle = self._submit(engine, tokens, params, param="messages" if chat else "prompt")
-        builder = ResponseBuilder(chat, engine.config.served_name)
+    async def _answer(self, job: Job, body: Any, request: Request) -> Any:
         rid = request_id(request.headers)
         if body.stream:
-            return StreamingResponse(self._stream(handle, builder, body.include_usage, rid),
+            return StreamingResponse(self._stream(job, body.include_usage, rid),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        parts: list[str] = []
-        last = GenerationChunk()
-        async with _cancel_unless_finished(handle, self.metrics):
-            async for chunk in handle:
-                parts.append(chunk.text)
-                last = chunk
-        if last.finish_reason == FinishReason.error:
-            self.metrics.record_request(last.usage, FinishReason.error)
-            raise APIError(500, last.error or GENERATION_FAILED, type_="server_error", code="generation_failed")
-        self.metrics.record_request(last.usage, last.finish_reason or FinishReason.stop)
-        return builder.whole("".join(parts), finish_reason(last), last.usage)
+        async with _cancel_unless_finished(job.handles, self.metrics):
+            async for index, chunk in merged(job.handles):
+                if chunk.finish_reason == FinishReason.error:
+                    self.metrics.record_request(chunk.usage, FinishReason.error)
+                    raise _generation_failed(chunk)
+                job.states[index].feed(chunk)
+                if chunk.finish_reason is not None:
+                    self.metrics.record_request(chunk.usage, chunk.finish_reason)
+        return job.whole()
 
-    async def _stream(self, handle: RequestHandle, builder: ResponseBuilder, include_usage: bool,
-                      rid: str) -> AsyncIterator[str]:
-        async with _cancel_unless_finished(handle, self.metrics):
-            async for event in sse_events(handle, builder, include_usage, self.metrics, rid):
+    async def _stream(self, job: Job, include_usage: bool, rid: str) -> AsyncIterator[str]:
+        async with _cancel_unless_finished(job.handles, self.metrics):
+            async for event in sse_events(job, include_usage, self.metrics, rid):
                 yield event
 
-    def _submit(self, engine: Engine, tokens: list[int], params: SamplingParams, param: str) -> RequestHandle:
+    def _submit(self, engine: Engine, tokens: list[int], params: SamplingParams, n: int,
+                param: str) -> list[RequestHandle]:
         try:
-            return engine.submit(tokens, params)
+            return engine.submit_choices(tokens, params, n)
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
         except QueueFullError as exc:
@@ -329,8 +506,78 @@ class OpenAIRoutes:
         except EngineStoppedError as exc:
             self.metrics.record_rejected("engine_stopped")
             raise engine_unavailable() from exc
-        except ValueError as exc:  # the engine's own checks (an empty prompt): its message is for the client
-            raise APIError(400, str(exc), param=param) from exc
+        except ValueError as exc:  # the engine's own checks (an empty prompt, n, ids): its message is for the client
+            raise APIError(400, str(exc), param="n" if "choices" in str(exc) else param) from exc
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools mean for rendering (tools shown), decoding (a grammar) and reading (parse)."""
+
+    tools: list[dict[str, Any]] | None = None
+    grammar: str | None = None
+    parse: bool = False
+
+
+def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
+    """tool_choice: `none` hides the tools; `auto` shows them and reads calls back; `required` and a named
+    function also constrain decoding with a grammar, so the call is well formed and its arguments fit."""
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    if not body.tools:
+        if choice not in ("none", "auto"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return ToolPlan()
+    if choice == "none":
+        return ToolPlan()
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    functions = [(t.function.name, t.function.parameters or {"type": "object"}) for t in body.tools]
+    if isinstance(choice, NamedToolChoice):
+        functions = [f for f in functions if f[0] == choice.function.name]
+        if not functions:
+            raise APIError(400, f"tool_choice names '{choice.function.name}', which is not among the tools",
+                           param="tool_choice")
+    grammar = None
+    if choice != "auto":
+        try:
+            grammar = tool_call_grammar(functions, parallel=body.parallel_tool_calls and len(functions) > 0
+                                        and not isinstance(choice, NamedToolChoice))
+        except GrammarError as exc:
+            raise APIError(400, f"a tool's parameters: {exc}", param="tools") from exc
+    return ToolPlan(tools, grammar, parse=True)
+
+
+def _check_request(engine: Engine, body: Any) -> None:
+    name = engine.config.served_name
+    if body.model and body.model != name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{name}'",
+                       param="model", code="model_not_found")
+    unsupported = body.unsupported_fields()
+    if unsupported:
+        raise APIError(400, f"unsupported parameter '{unsupported[0]}': this server does not implement it",
+                       param=unsupported[0], code="unsupported_parameter")
+    if getattr(body, "n", 1) > engine.config.n_parallel:
+        raise APIError(400, f"n={body.n} choices run at once, one per slot; this server has "
+                            f"{engine.config.n_parallel} slots", param="n")
+
+
+def _grammar(body: Any, tool_grammar: str | None) -> str | None:
+    try:
+        grammar = body.constraint_grammar()
+    except (GrammarError, ValueError) as exc:
+        param = "response_format" if body.response_format is not None else (
+            "json_schema" if body.json_schema is not None else "grammar")
+        raise APIError(400, str(exc), param=param) from exc
+    if grammar is not None and tool_grammar is not None:
+        raise APIError(400, "a forced tool call (tool_choice) and response_format/grammar cannot both constrain "
+                            "one answer", param="tool_choice")
+    return grammar or tool_grammar
+
+
+def _params(body: Any, engine: Engine, grammar: str | None) -> SamplingParams:
+    try:
+        return body.sampling_params(engine.n_ctx_slot, grammar)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="logit_bias") from exc
 
 
 def engine_unavailable() -> APIError:
@@ -339,27 +586,26 @@ def engine_unavailable() -> APIError:
 
 
 @contextlib.asynccontextmanager
-async def _cancel_unless_finished(handle: RequestHandle, metrics: RequestRecorder) -> AsyncIterator[None]:
-    """Whatever ends the reading of a handle early (the client went away: CancelledError or GeneratorExit;
-    a bug) cancels the request, so its slot is free at the next step, and counts it as cancelled."""
+async def _cancel_unless_finished(handles: list[RequestHandle], metrics: RequestRecorder) -> AsyncIterator[None]:
+    """Whatever ends the reading early (the client went away: CancelledError or GeneratorExit; an error in
+    one choice; a bug) cancels every unfinished choice, so their slots are free at the next step."""
     try:
         yield
     finally:
-        if not handle.finished:
-            handle.cancel()
-            metrics.record_request(None, FinishReason.cancelled)
+        for handle in handles:
+            if not handle.finished:
+                handle.cancel()
+                metrics.record_request(None, FinishReason.cancelled)
 
 
-def _check_model(engine: Engine, requested: str | None) -> None:
-    name = engine.config.served_name
-    if requested and requested != name:
-        raise APIError(404, f"the model '{requested}' does not exist; this server serves '{name}'",
-                       param="model", code="model_not_found")
-
-
-def _render(engine: Engine, messages: list[dict[str, Any]], request: Request) -> str:
+def _render(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            kwargs: dict[str, Any], request: Request) -> str:
+    """The model's own template; tools go to it when it renders them, else into a system message."""
+    tool_turns = bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     try:
-        return engine.render_chat(messages)
+        if tool_turns and not engine.chat_template.knows_tools:
+            return engine.render_chat(messages_for_plain_template(messages, tools), **kwargs)
+        return engine.render_chat(messages, tools=tools, **kwargs)
     except ChatTemplateError as exc:  # the template's own message (roles out of order, ...)
         raise APIError(400, str(exc), param="messages") from exc
     except EngineStoppedError:
@@ -369,7 +615,7 @@ def _render(engine: Engine, messages: list[dict[str, Any]], request: Request) ->
         raise APIError(400, "the model's chat template could not render these messages", param="messages") from exc
 
 
-async def _off_loop(work: Callable[[], list[int]]) -> list[int]:
+async def _off_loop(work: Callable[[], T]) -> T:
     """Template rendering and tokenising run in a worker thread: a long prompt never stalls the event
     loop that answers /health and streams every other request's tokens."""
     try:

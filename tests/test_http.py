@@ -148,7 +148,7 @@ def test_cancelled_streams_leave_every_slot_free(serve_url: str) -> None:
 
 # -- control routes never wait; a full engine answers 503 ---------------------------------------------
 QUEUED = 64
-LONG_STREAM = {"prompt": "Count from one to a thousand:", "max_tokens": 1000, "stream": True, "temperature": 0,
+LONG_STREAM = {"prompt": "Count from one to a thousand:", "max_tokens": 4000, "stream": True, "temperature": 0,
                "ignore_eos": True}
 
 
@@ -159,7 +159,7 @@ def busy(ray_session: None, serve_url: str) -> AsyncIterator[str]:
 
     from serving.app import main
 
-    serve.run(main({"n_parallel": 1, "n_ctx": 1024, "max_queued_requests": QUEUED, "cpus_per_replica": 0.5}),
+    serve.run(main({"n_parallel": 1, "n_ctx": 4096, "max_queued_requests": QUEUED, "cpus_per_replica": 0.5}),
               name="busy", route_prefix="/busy")
     base = f"{serve_url}/busy"
     try:
@@ -339,9 +339,16 @@ BAD_REQUESTS = [
     ("stop string too long", COMP, {"prompt": "x", "stop": "s" * 5000}, 400, None),
     ("too many stop strings", COMP, {"prompt": "x", "stop": ["a"] * 40}, 400, None),
     ("top_p zero", COMP, {"prompt": "x", "top_p": 0}, 400, None),
-    ("n > 1", COMP, {"prompt": "x", "n": 3}, 400, None),
+    ("n above the slots", COMP, {"prompt": "x", "n": 300}, 400, None),
+    ("unimplemented field", COMP, {"prompt": "x", "frobnicate": [1]}, 400, "unsupported_parameter"),
+    ("logit_bias key not a token id", COMP, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, None),
+    ("bad json schema", CHAT, {"messages": [{"role": "user", "content": "x"}],
+                               "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}, 400, None),
+    ("tool_choice names no tool", CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                          "function": {"name": "g"}}}, 400, None),
     ("empty prompt", COMP, {"prompt": ""}, 400, None),
-    ("nested token lists", COMP, {"prompt": [[1, 2]]}, 400, None),
+    ("nested token lists", COMP, {"prompt": [[[1, 2]]]}, 400, None),
     ("token id out of vocabulary", COMP, {"prompt": [10**9]}, 400, None),
     ("negative token id", COMP, {"prompt": [-1]}, 400, None),
     ("lone surrogate", COMP, (RAW, b'{"prompt": "\\ud800"}', "application/json"), 400, None),
@@ -362,8 +369,8 @@ BAD_REQUESTS = [
 ODD_BUT_VALID = [
     ("content None", CHAT, {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "Hi"}]}),
     ("content parts", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}),
-    ("logit_bias and other unknown fields are ignored", COMP, {"prompt": "Hi", "logit_bias": {"50256": -100},
-                                                               "user": "u", "frobnicate": [1, {"x": None}]}),
+    ("logit_bias, and fields that change nothing", COMP, {"prompt": "Hi", "logit_bias": {"50": -100}, "user": "u",
+                                                          "metadata": {"a": "b"}, "suffix": None, "echo": False}),
     ("empty and absent stops", COMP, {"prompt": "Hi", "stop": ["", "\n\n\n"]}),
     ("null optionals", COMP, {"prompt": "Hi", "stop": None, "seed": None, "max_tokens": None,
                               "stream_options": None}),
@@ -388,7 +395,12 @@ def _check_error(resp: httpx.Response, status: int, code: str | None) -> None:
         assert err["code"] == code
 
 
-@pytest.mark.parametrize("name,path,body,status,code", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+ENGINE_BAD_REQUESTS = BAD_REQUESTS + [  # checked by the engine itself (the scripted one does not)
+    ("grammar that does not parse", COMP, {"prompt": "x", "grammar": "root ::= ("}, 400, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,code", ENGINE_BAD_REQUESTS, ids=[b[0] for b in ENGINE_BAD_REQUESTS])
 def test_bad_input_gets_openai_error_and_server_keeps_serving(serve_url: str, name: str, path: str, body: Any,
                                                               status: int, code: str | None) -> None:
     _check_error(_send(serve_url, path, body), status, code)
@@ -470,14 +482,26 @@ class ScriptedEngine:
     def tokenize_prompt(self, text: str) -> list[int]:
         return [b % 1000 for b in text.encode()]
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: Any = None, **_: Any) -> str:
         return "".join(m["content"] for m in messages)
+
+    @property
+    def chat_template(self) -> Any:
+        return SimpleNamespace(knows_tools=False)
+
+    def token_piece(self, token: int) -> bytes:
+        return str(token).encode()
+
+    def submit_choices(self, tokens: list[int], params: Any, n: int) -> list[Any]:
+        return [self.submit(tokens, params) for _ in range(n)]
 
     def submit(self, tokens: list[int], params: Any) -> Any:
         from serving.request import Request, RequestHandle
 
         if not tokens:
             raise ValueError("the prompt is empty: send at least one token of text")
+        if any(not 0 <= t < self.n_vocab for t in tokens):  # as Engine.submit checks
+            raise ValueError(f"token ids must be integers in [0, {self.n_vocab})")
         if self.fail is not None:
             raise self.fail
         self.params.append(params)
@@ -500,6 +524,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     class Host(OpenAIRoutes):
         api_key: str | None = None
+        cors_origins: list[str] = []
 
         def __init__(self) -> None:
             self.engine = ScriptedEngine()
