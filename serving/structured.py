@@ -48,14 +48,42 @@ def response_format_grammar(kind: str, schema: Any | None = None) -> str | None:
     raise GrammarError(f"unknown response_format type {kind!r}")
 
 
+MAX_CALL_STRING = 256  # characters of a string argument that set no maxLength
+MAX_CALL_ITEMS = 32  # items of an array argument that sets no maxItems
+MAX_PARALLEL_CALLS = 8  # calls in one forced answer with parallel_tool_calls
+
+
+def bounded(schema: Any) -> Any:
+    """The schema with a length bound on every string and array that has none.
+
+    A forced call must end: a sampled string can otherwise run on until max_tokens and leave the call
+    unfinished, which a small model does at high temperature. Bounded, every call closes well within a
+    slot. Only forced calls get this; response_format schemas are taken as given.
+    """
+    if isinstance(schema, list):
+        return [bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded(v) for k, v in schema.items()}
+    kind = out.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "string" in kinds and not {"enum", "const", "pattern", "format", "maxLength"} & out.keys():
+        out["maxLength"] = MAX_CALL_STRING
+    if "array" in kinds and "maxItems" not in out:
+        out["maxItems"] = MAX_CALL_ITEMS
+    return out
+
+
 def tool_call_grammar(functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
     """A grammar for one (or, with `parallel`, one or more) Hermes-style calls:
-    <tool_call>\\n{"name": <one of the functions>, "arguments": <its parameters>}\\n</tool_call>."""
+    <tool_call>\\n{"name": <one of the functions>, "arguments": <its parameters>}\\n</tool_call>,
+    the parameters bounded (see `bounded`)."""
     if not functions:
         raise GrammarError("tool_choice needs at least one tool")
-    variants = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params or {"type": "object"}},
+    variants = [{"type": "object", "properties": {"name": {"const": name},
+                                                  "arguments": bounded(params or {"type": "object"})},
                  "required": ["name", "arguments"], "additionalProperties": False} for name, params in functions]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     rules, call = schema_rules(schema, "call")
-    repeat = ' ("\\n" block)*' if parallel else ""
+    repeat = f' ("\\n" block){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
     return f'root ::= block{repeat}\nblock ::= "<tool_call>\\n" {call} "\\n</tool_call>"\n{rules}'

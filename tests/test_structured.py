@@ -90,3 +90,14 @@ def test_grammars_compile_and_bad_schemas_say_why() -> None:
         json_schema_grammar("not a schema")
     with pytest.raises(GrammarError):
         response_format_grammar("yaml")
+
+
+def test_forced_call_schemas_get_length_bounds() -> None:
+    from serving.structured import MAX_CALL_ITEMS, MAX_CALL_STRING, bounded
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string", "enum": ["x"]},
+                                               "c": {"type": "array", "items": {"type": "string", "maxLength": 3}}}}
+    out = bounded(schema)
+    assert out["properties"]["a"]["maxLength"] == MAX_CALL_STRING and "maxLength" not in out["properties"]["b"]
+    assert out["properties"]["c"]["maxItems"] == MAX_CALL_ITEMS and out["properties"]["c"]["items"]["maxLength"] == 3
+    assert "maxLength" not in schema["properties"]["a"]  # the caller's schema is left as it was
