@@ -183,18 +183,18 @@ class _SamplingFields(BaseModel):
 
     def constraint_grammar(self) -> str | None:
         """The grammar that `grammar`, `json_schema` or `response_format` ask for (at most one of them)."""
-        from serving.structured import response_format_grammar, json_schema_grammar
+        from serving.structured import json_schema_grammar, response_format_grammar
 
-        asked = [name for name, value in (("grammar", self.grammar), ("json_schema", self.json_schema),
-                                          ("response_format", self.response_format)) if value is not None
-                 and not (name == "response_format" and value.type == "text")]
+        fmt = self.response_format
+        asked = [name for name, given in (("grammar", self.grammar is not None),
+                                          ("json_schema", self.json_schema is not None),
+                                          ("response_format", fmt is not None and fmt.type != "text")) if given]
         if len(asked) > 1:
             raise ValueError(f"send one of {', '.join(asked)}, not several")
         if self.grammar is not None:
             return self.grammar
         if self.json_schema is not None:
             return json_schema_grammar(self.json_schema)
-        fmt = self.response_format
         if fmt is None:
             return None
         if fmt.type == "json_schema":
@@ -321,12 +321,12 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: OpenAI takes one or many, as text or token ids."""
-        p = self.prompt
+        p: Any = self.prompt
         if isinstance(p, str):
             return [p]
         if p and isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [[int(t) for t in p]]
+        return [x if isinstance(x, str) else [int(t) for t in x] for x in p]
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
@@ -412,7 +412,7 @@ class ResponsesRequest(BaseModel):
     def unsupported_fields(self) -> list[str]:
         extra = self.model_extra or {}
         noop = NO_EFFECT_FIELDS | {"reasoning", "tool_choice", "tools", "include"}
-        idle = (None, False, 0, [], {}, "none", "auto")
+        idle: tuple[Any, ...] = (None, False, 0, [], {}, "none", "auto")
         return sorted(k for k, v in extra.items() if k not in noop and v not in idle)
 
     def messages(self) -> list[dict[str, Any]]:

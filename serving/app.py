@@ -35,7 +35,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serving.api import APIError
 from serving.config import EngineConfig, load_engine_config
-from serving.control import ConfigChannel, ConfigFollower
+from serving.control import DEPLOYMENT_NAME, ConfigChannel, ConfigFollower
 from serving.engine import Engine
 from serving.metrics import CONTENT_TYPE, ReplicaMetrics
 from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middleware
@@ -46,7 +46,6 @@ log = logging.getLogger("serving")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 TUNED_CONFIG = REPO_ROOT / "configs" / "tuned.yaml"
-DEPLOYMENT_NAME = "LlamaServer"
 METRICS_SAMPLE_S = 1.0
 LOAD_FAILED = "the model failed to load; the reason is in the server log"
 BINDINGS_VERSION = importlib.metadata.version("llama-cpp-python")
@@ -131,11 +130,13 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 def _replica_api_key() -> str | None:
     """The key of the replica serving this process (read by serving.openai's ApiKeyMiddleware)."""
-    return serve.get_replica_context().servable_object.api_key
+    replica: Any = serve.get_replica_context().servable_object
+    return replica.api_key
 
 
 def _replica_cors_origins() -> list[str]:
-    return list(serve.get_replica_context().servable_object.cors_origins)
+    replica: Any = serve.get_replica_context().servable_object
+    return list(replica.cors_origins)
 
 
 install_middleware(_replica_api_key, _replica_cors_origins)
@@ -146,6 +147,8 @@ install_middleware(_replica_api_key, _replica_cors_origins)
 class LlamaServer(OpenAIRoutes):
     """One replica: loads its engine in the background (so /health can say 503 while loading), then
     follows config changes from Serve's user_config and from the app's ConfigChannel."""
+
+    metrics: ReplicaMetrics
 
     def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:
         self._options = ServerOptions(**options)
@@ -331,14 +334,14 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
     actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica}
     if gpus > 0:
         actor_options["num_gpus"] = 1
-    deployment = LlamaServer.options(
+    deployment = LlamaServer.options(  # type: ignore[attr-defined]
         num_replicas=int(replicas),
         max_ongoing_requests=options.max_ongoing_requests,
         max_queued_requests=options.max_queued_requests,
         ray_actor_options=actor_options,
         user_config={"engine": engine_config.to_yaml_dict()},
     )
-    return deployment.bind(options.model_dump(), ConfigChannel.bind())
+    return deployment.bind(options.model_dump(), ConfigChannel.bind())  # type: ignore[attr-defined]
 
 
 def main(args: dict[str, Any] | None = None) -> serve.Application:

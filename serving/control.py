@@ -23,6 +23,7 @@ from serving.config import EngineConfig
 log = logging.getLogger(__name__)
 
 CHANNEL_NAME = "ConfigChannel"
+DEPLOYMENT_NAME = "LlamaServer"  # the engine replicas' deployment (serving/app.py), named here for tuning/
 
 
 @serve.deployment(name=CHANNEL_NAME, num_replicas=1, max_ongoing_requests=1000,

@@ -211,14 +211,14 @@ class Candidates:
         self._data["logit"] = logits
         self._data["p"] = 0.0
         arr = self._full
-        arr.data = self._data.ctypes.data_as(ll.llama_token_data_p)
+        arr.data = self._data.ctypes.data_as(ll.llama_token_data_p)  # type: ignore[assignment]
         arr.size, arr.selected, arr.sorted = len(self._data), -1, False
         return arr
 
     def single(self, token: int) -> ll.llama_token_data_array:
         self._one[0] = (token, 0.0, 0.0)
         arr = self._single
-        arr.data = self._one.ctypes.data_as(ll.llama_token_data_p)
+        arr.data = self._one.ctypes.data_as(ll.llama_token_data_p)  # type: ignore[assignment]
         arr.size, arr.selected, arr.sorted = 1, -1, False
         return arr
 

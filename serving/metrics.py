@@ -41,7 +41,7 @@ class ReplicaMetrics:
         self.registry = prom.CollectorRegistry(auto_describe=True)
         labels = ("model", "replica")
         reg = self.registry
-        self._prom = {
+        self._prom: dict[str, Any] = {
             "prompt": prom.Counter("llm_prompt_tokens", "Prompt tokens received.", labels, registry=reg),
             "cached": prom.Counter("llm_prompt_tokens_cached", "Prompt tokens served from a slot's cache.",
                                    labels, registry=reg),
@@ -64,16 +64,17 @@ class ReplicaMetrics:
                                  (*labels, *CONFIG_LABELS), registry=reg),
         }
         tags = ("model",)
-        self._ray = {
+        # Ray annotates tag_keys as a one-element tuple; any length works (hence two type: ignore below)
+        self._ray: dict[str, Any] = {
             "prompt": ray_metrics.Counter("llm_prompt_tokens", description="Prompt tokens received.", tag_keys=tags),
             "cached": ray_metrics.Counter("llm_prompt_tokens_cached",
                                           description="Prompt tokens served from a slot's cache.", tag_keys=tags),
             "generated": ray_metrics.Counter("llm_generated_tokens", description="Tokens generated.", tag_keys=tags),
             "requests": ray_metrics.Counter("llm_requests", description="Finished requests by finish reason.",
-                                            tag_keys=("model", "reason")),
+                                            tag_keys=("model", "reason")),  # type: ignore[arg-type]
             "rejected": ray_metrics.Counter("llm_requests_rejected",
                                             description="Requests turned away with 503 by cause.",
-                                            tag_keys=("model", "cause")),
+                                            tag_keys=("model", "cause")),  # type: ignore[arg-type]
             "ttft": ray_metrics.Histogram("llm_time_to_first_token_s", description="Time from arrival to first token.",
                                           boundaries=TTFT_BOUNDARIES_S, tag_keys=tags),
             "e2e": ray_metrics.Histogram("llm_e2e_request_latency_s", description="Time from arrival to the last "

@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import uuid
+from functools import partial
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -367,7 +368,7 @@ class OpenAIRoutes:
         engine = self.ready_engine()
         _check_request(engine, body)
         prompts = body.prompts()
-        tokenized = [await _off_loop(lambda p=p: engine.tokenize_prompt(p)) if isinstance(p, str) else p
+        tokenized = [p if isinstance(p, list) else await _off_loop(partial(engine.tokenize_prompt, p))
                      for p in prompts]
         params = _params(body, engine, _grammar(body, None))
         handles: list[RequestHandle] = []

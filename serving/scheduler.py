@@ -206,6 +206,7 @@ class Scheduler:
         for slot in generating:
             slot.draft = self._draft(slot, room) if speculate else []
             room -= len(slot.draft)
+            assert slot.next_token is not None
             last = ctx.add_to_batch([slot.next_token, *slot.draft], len(slot.cache), slot.seq_id, True,
                                     all_logits=bool(slot.draft))
             slot.logits_row = last - len(slot.draft)
@@ -220,7 +221,7 @@ class Scheduler:
     def _draft(self, slot: Slot, room: int) -> list[int]:
         """Guesses to verify after the slot's next token: no more than the batch, the request's remaining
         tokens and the slot's cells allow (k guesses yield up to k + 1 tokens)."""
-        if slot.drafter is None or self._spec is None:
+        if slot.drafter is None or self._spec is None or slot.next_token is None:
             return []
         k = min(self._spec.draft_max, room, slot.limit - slot.usage.completion_tokens - 1,
                 self._ctx.n_ctx_seq - len(slot.cache) - 2)
@@ -228,7 +229,8 @@ class Scheduler:
 
     def _add_prompt_chunks(self) -> None:
         ctx = self._ctx
-        prefilling = sorted((s for s in self.slots if s.pending and s.request), key=lambda s: s.request.arrival)
+        prefilling = sorted((s for s in self.slots if s.pending and s.request is not None),
+                            key=lambda s: s.request.arrival if s.request is not None else 0.0)
         for slot in prefilling:
             room = ctx.batch_capacity - ctx.batch_size
             if room == 0:

@@ -34,7 +34,7 @@ class DeviceProbe:
     def __init__(self, on_gpu: bool) -> None:
         self.on_gpu = on_gpu
         self._baseline = 0
-        self._nvml = None
+        self._nvml: Any = None  # the pynvml module, on a GPU
         if on_gpu:
             import pynvml
 

@@ -135,10 +135,10 @@ def plot(rows: list[TrialRow], winner: TrialRow | None, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 5))
     ran = [r for r in rows if r.single > 0]
-    styles = ((False, dict(c="lightgray", label="infeasible")), (True, dict(c="tab:blue", label="feasible")))
-    for feasible, style in styles:
+    styles = ((False, "lightgray", "infeasible"), (True, "tab:blue", "feasible"))
+    for feasible, colour, label in styles:
         pts = [r for r in ran if r.feasible == feasible]
-        ax.scatter([r.single for r in pts], [r.aggregate for r in pts], s=25, **style)
+        ax.scatter([r.single for r in pts], [r.aggregate for r in pts], s=25, c=colour, label=label)
     front = pareto_front(rows)
     ax.plot([r.single for r in front], [r.aggregate for r in front], "-o", c="tab:orange", label="Pareto front")
     for r in rows:

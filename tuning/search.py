@@ -9,6 +9,7 @@ context is rebuilt), and the pick is written to configs/tuned.yaml and pushed to
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -88,7 +89,7 @@ def start_ray(args: argparse.Namespace) -> tuple[int, int]:
 
     args.started_ray = not ray.is_initialized()
     if args.started_ray:
-        ray.init(address=args.ray_address, logging_level="ERROR", include_dashboard=False)
+        ray.init(address=args.ray_address, logging_level=logging.ERROR, include_dashboard=False)
     total = int(ray.cluster_resources().get("GPU", 0))
     free = int(ray.available_resources().get("GPU", 0))
     return total, free
@@ -214,7 +215,7 @@ def run_study(args: argparse.Namespace, settings: Any, searcher: Any, on_gpu: bo
 
     from tuning.trial import EngineTrial
 
-    resources = {"gpu": 1, "cpu": 1} if on_gpu else {"cpu": 1}
+    resources: dict[str, float] = {"gpu": 1, "cpu": 1} if on_gpu else {"cpu": 1}
     trainable = tune.with_resources(tune.with_parameters(EngineTrial, settings=settings), resources)
     reporter = CLIReporter(
         parameter_columns=["n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn"],

@@ -42,7 +42,7 @@ class TrialSettings:
 class EngineTrial(tune.Trainable):
     """Ray Tune trainable measuring one engine config per `step` (a trial is one step)."""
 
-    def setup(self, config: dict[str, Any], settings: TrialSettings) -> None:
+    def setup(self, config: dict[str, Any], settings: TrialSettings) -> None:  # type: ignore[override]
         self.settings = settings
         self.engine: Engine | None = None
         self.runner = Runner(settings.workload)
@@ -78,16 +78,17 @@ class EngineTrial(tune.Trainable):
         t0 = time.perf_counter()
         self._use(config)
         rebuild_s = time.perf_counter() - t0
+        engine = self._engine()
         mem_measured = self.probe.memory_in_use()
-        speed = self.runner.measure(self.engine)
-        nll = self.engine.score(quality_tokens(self.engine))
+        speed = self.runner.measure(engine)
+        nll = engine.score(quality_tokens(engine))
         baseline = self._baseline_nll(config)
         return {
             "single_tok_s": speed.single_tok_s, "aggregate_tok_s": speed.aggregate_tok_s,
             "ttft_ms": speed.ttft_ms, "prefill_tok_s": speed.prefill_tok_s,
             "nll": nll, "nll_baseline": baseline, "nll_delta": nll - baseline,
             "mem_measured": mem_measured, "setup_s": rebuild_s,
-            "weight_loads": self.engine.weight_loads, "weight_load_s": self.engine.weight_load_s,
+            "weight_loads": engine.weight_loads, "weight_load_s": engine.weight_load_s,
             **self.probe.state(),
         }
 
@@ -104,10 +105,16 @@ class EngineTrial(tune.Trainable):
             reference = config.model_copy(update={
                 "type_k": CacheType.f16, "type_v": CacheType.f16, "n_parallel": 1, "n_ctx": QUALITY_PROBE_CTX,
             })
-            self.engine.reconfigure(reference)
-            self.baseline_nll = self.engine.score(quality_tokens(self.engine))
-            self.engine.reconfigure(config)
+            engine = self._engine()
+            engine.reconfigure(reference)
+            self.baseline_nll = engine.score(quality_tokens(engine))
+            engine.reconfigure(config)
         return self.baseline_nll
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("no engine: _use() runs first")
+        return self.engine
 
     def _constraints(self, mem: int | None, nll_delta: float | None) -> dict[str, float]:
         """Optuna constraint values: feasible when <= 0. A trial that could not run violates both."""

@@ -8,6 +8,7 @@ context and acknowledged; requests arriving meanwhile wait in the engine's queue
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import tempfile
 import time
@@ -58,12 +59,11 @@ def apply_to_serve(config: EngineConfig, app_name: str | None = None, address: s
     import ray
     from ray import serve
 
-    from serving.app import DEPLOYMENT_NAME
-    from serving.control import CHANNEL_NAME
+    from serving.control import CHANNEL_NAME, DEPLOYMENT_NAME
 
     if not ray.is_initialized():
         try:
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
         except (ConnectionError, RuntimeError) as exc:
             return ApplyResult(False, f"no running Ray cluster at {address!r} ({exc}); only the file was written")
     apps = {name: app for name, app in serve.status().applications.items() if DEPLOYMENT_NAME in app.deployments}
@@ -81,10 +81,12 @@ def apply_to_serve(config: EngineConfig, app_name: str | None = None, address: s
 def _wait_for_acks(channel: Any, published: dict[str, Any], app_name: str, deployment: str,
                    timeout_s: float) -> ApplyResult:
     from ray import serve
+    from ray.serve.schema import ReplicaState
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        running = serve.status().applications[app_name].deployments[deployment].replica_states.get("RUNNING", 0)
+        states = serve.status().applications[app_name].deployments[deployment].replica_states
+        running = states.get(ReplicaState.RUNNING, 0)
         acks = channel.acks.remote().result()
         done = {r: a for r, a in acks.items()
                 if a["epoch"] == published["epoch"] and a["version"] == published["version"]}
