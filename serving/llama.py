@@ -235,6 +235,7 @@ class SamplerChain:
 
     def __init__(self, ctx: LlamaContext, params: SamplingParams, default_seed: int) -> None:
         self._ctx = ctx
+        self.resamples = 0  # tokens the grammar rejected, sampled again with it applied first
         self._grammar = None
         if params.grammar is not None:
             self._grammar = ll.llama_sampler_init_grammar(ctx.model.vocab, params.grammar.encode(), b"root")
@@ -255,6 +256,7 @@ class SamplerChain:
         logits = self._ctx.logits(row)
         token = self._select(logits, grammar_first=False)
         if self._grammar is not None and not self._allows(token):
+            self.resamples += 1
             token = self._select(logits, grammar_first=True)
         ll.llama_sampler_accept(self._ptr, token)
         if self._grammar is not None:

@@ -40,6 +40,8 @@ NO_LONGER_FITS = ("the prompt ({n} tokens) no longer fits a slot ({slot} tokens)
 class TokenSampler(Protocol):
     """One request's sampler (a llama.cpp sampler chain in production)."""
 
+    resamples: int  # tokens a grammar rejected and that were sampled again
+
     def accept(self, tokens: Sequence[int]) -> None: ...
 
     def sample(self, row: int) -> int: ...
@@ -141,6 +143,7 @@ class Counters:
     decode_failures: int = 0
     spec_drafted: int = 0  # tokens guessed and verified
     spec_accepted: int = 0  # of those, kept
+    grammar_resamples: int = 0  # tokens a grammar rejected (then sampled again with the grammar first)
 
 
 @dataclass(frozen=True)
@@ -449,6 +452,7 @@ class Scheduler:
             self.counters.requests_finished += 1
             self._note_finish()
         if slot.sampler is not None:
+            self.counters.grammar_resamples += slot.sampler.resamples
             slot.sampler.free()
         if slot.leader is not None:  # a choice that ends before its prompt was shared with it
             slot.leader.clones.remove(slot)

@@ -23,6 +23,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 class FakeSampler:
     def __init__(self, ctx: FakeContext, params: SamplingParams) -> None:
         self.ctx, self.params, self.accepted, self.freed = ctx, params, [], False
+        self.resamples = 0
         if params.seed == 666:
             raise RuntimeError("this sampler cannot be built")
 

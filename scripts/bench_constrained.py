@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""What constrained decoding costs per token: the same chat requests unconstrained and under each grammar the
+API builds (json_object, a JSON schema, a forced tool call), through our engine, interleaved.
+
+Reported per mode: median decode tok/s of a single stream (after its first token), ms per token, the ratio to
+unconstrained decoding measured in the same rounds, and how often the grammar had to resample (the model's
+own choice rejected: then a full-vocabulary grammar pass runs). Greedy; each round alternates the order.
+
+    python scripts/bench_constrained.py --rounds 5 --out docs/results/bench_constrained_cpu.json
+    python scripts/bench_constrained.py --model big.gguf --gpu-layers -1     # the GPU model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
+from measure.provenance import provenance  # noqa: E402
+from measure.workload import read  # noqa: E402
+from serving.config import EngineConfig  # noqa: E402
+from serving.engine import Engine  # noqa: E402
+from serving.request import SamplingParams  # noqa: E402
+from serving.structured import json_schema_grammar, response_format_grammar, tool_call_grammar  # noqa: E402
+from serving.tools import messages_for_plain_template  # noqa: E402
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "age": {"type": "integer"}, "city": {"type": "string", "maxLength": 40},
+                                           "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30},
+                                                       "maxItems": 4}},
+          "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"]}}}
+
+
+def modes() -> dict[str, tuple[str, str | None, bool]]:
+    """mode -> (user message, grammar, tools shown)."""
+    return {
+        "none": ("Describe a person: name, age, city and hobbies.", None, False),
+        "json_object": ("Describe a person as JSON: name, age, city and hobbies.",
+                        response_format_grammar("json_object"), False),
+        "json_schema": ("Describe a person: name, age, city and hobbies.", json_schema_grammar(PERSON), False),
+        "tool_call": ("What's the weather in Paris, in celsius?",
+                      tool_call_grammar([("get_weather", WEATHER["function"]["parameters"])], parallel=False), True),
+    }
+
+
+def prompt(engine: Engine, text: str, tools: bool, n: int) -> list[int]:
+    messages = [{"role": "user", "content": f"(request {n}) {text}"}]
+    if tools:
+        messages = messages_for_plain_template(messages, [WEATHER])
+    return engine.tokenize_prompt(engine.render_chat(messages))
+
+
+def run(engine: Engine, text: str, grammar: str | None, tools: bool, n: int, gen: int) -> dict[str, Any]:
+    before = engine.stats()["counters"]
+    stream = read(engine.submit(prompt(engine, text, tools, n), SamplingParams(max_tokens=gen, temperature=0.0,
+                                                                               grammar=grammar)))
+    after = engine.stats()["counters"]
+    return {"decode_tok_s": stream.decode_tok_s, "tokens": stream.usage.completion_tokens,
+            "resamples": after.get("grammar_resamples", 0) - before.get("grammar_resamples", 0)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded model)")
+    parser.add_argument("--gpu-layers", type=int, default=-1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--gen-tokens", type=int, default=160)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench_constrained.json")
+    args = parser.parse_args(argv)
+    config = EngineConfig(model=args.model, n_gpu_layers=args.gpu_layers, n_parallel=1, n_ctx=2048, seed=1,
+                          n_threads=args.threads)
+    engine = Engine(config)
+    table = modes()
+    samples: dict[str, list[dict[str, Any]]] = {m: [] for m in table}
+    try:
+        for text, grammar, tools in table.values():  # warm-up
+            run(engine, text, grammar, tools, 0, 16)
+        for r in range(args.rounds):
+            order = list(table) if r % 2 == 0 else list(reversed(table))
+            for name in order:
+                text, grammar, tools = table[name]
+                samples[name].append(run(engine, text, grammar, tools, r + 1, args.gen_tokens))
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{m} {samples[m][-1]['decode_tok_s']:.1f}" for m in table), flush=True)
+    finally:
+        engine.close()
+    base = statistics.median(s["decode_tok_s"] for s in samples["none"])
+    results = {}
+    for name, runs in samples.items():
+        tok_s = statistics.median(s["decode_tok_s"] for s in runs)
+        tokens = sum(s["tokens"] for s in runs)
+        results[name] = {"decode_tok_s": tok_s, "ms_per_token": 1e3 / tok_s, "vs_unconstrained": tok_s / base,
+                         "tokens": tokens, "resample_rate": sum(s["resamples"] for s in runs) / max(tokens, 1)}
+    report = {"provenance": provenance(), "config": config.to_yaml_dict(), "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print("| mode | decode tok/s | ms/token | x unconstrained | resampled tokens |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, res in results.items():
+        print(f"| {name} | {res['decode_tok_s']:.1f} | {res['ms_per_token']:.2f} | {res['vs_unconstrained']:.2f} "
+              f"| {res['resample_rate']:.0%} |")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
