@@ -10,8 +10,9 @@ operation (--max-examples each, the whole run bounded by --max-time), with the c
   error (4xx) is OpenAI's error JSON, and a streamed 200 carries no `{"error": ...}` event (a server error
   that arrived after the 200 status line).
 
-Generation is capped (max_tokens / max_completion_tokens at most --max-tokens-cap, set when absent) so
-a generated request cannot hold a slot for a whole context; everything else is what schemathesis generates.
+Generation is capped on the generating routes (max_tokens / max_completion_tokens / max_output_tokens at
+most --max-tokens-cap, set when absent) so a generated request cannot hold a slot for a whole context;
+everything else is what schemathesis generates.
 Every request and response is recorded (HAR, under --out/schemathesis/); the summary lists each 5xx with
 its request body. Afterwards the server must still serve: /health 200, a completion with text, every slot
 idle. Exit 1 on any 5xx or other failure.
@@ -54,16 +55,36 @@ def drop_fields(body: Any, fields: list[str]) -> Any:
     return body
 
 
-def cap_generation(body: Any, cap: int) -> Any:
-    """Clamp the generation length of a request body (dicts only; anything else is sent as generated).
+# Generating routes and their length fields; the first is set when none is given (chat: the newer name, so
+# that path is exercised too). Other routes' bodies are sent as generated: an unknown field is a 400 there.
+GENERATION_FIELDS: dict[str, tuple[str, ...]] = {
+    "/v1/chat/completions": ("max_completion_tokens", "max_tokens"),
+    "/v1/completions": ("max_tokens",),
+    "/v1/responses": ("max_output_tokens",),
+}
 
-    Integer max_tokens / max_completion_tokens above `cap` (integral floats such as 215.0 too: the server
-    accepts them as integers) become `cap`; when neither is given, the one the route reads first gets `cap`
-    (chat: max_completion_tokens, so that path is exercised too). Other values (negative tests) are left
-    alone: the server must reject them with a 400.
+
+def cap_generation(body: Any, cap: int, path: str) -> Any:
+    """Clamp the generation length of a request body to a generating route (dicts only).
+
+    Integer length fields above `cap` (integral floats such as 215.0 too: the server accepts them as
+    integers) become `cap`; when none is given, the route's first field gets `cap`. Other values (negative
+    tests) are left alone: the server must reject them with a 400. Bodies for other routes are unchanged.
     """
-    if not isinstance(body, dict):
+    fields = GENERATION_FIELDS.get(path)
+    if not fields or not isinstance(body, dict):
         return body
+    present = False
+    for key in fields:
+        value = body.get(key)
+        if key in body and value is not None:
+            present = True
+        integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if integral and not isinstance(value, bool) and value > cap:
+            body[key] = cap
+    if not present:
+        body[fields[0]] = cap
+    return body
     present = False
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
@@ -151,7 +172,7 @@ if __name__ != "__main__":  # loaded by schemathesis as its hooks module
 
         @schemathesis.hook
         def before_call(context, case, kwargs):  # noqa: ANN001, ARG001  (schemathesis's hook signature)
-            case.body = cap_generation(drop_fields(case.body, _DROP), _CAP)
+            case.body = cap_generation(drop_fields(case.body, _DROP), _CAP, case.operation.path)
 
         @schemathesis.check
         def openai_response(ctx, response, case):  # noqa: ANN001, ARG001  (schemathesis's check signature)
@@ -202,8 +223,12 @@ def analyse_har(har: dict[str, Any], schema_paths: dict[str, Any]) -> dict[str, 
                              "response": text[:600]})
     server_errors = [p for p in problems if p["status"] >= 500]
     incomplete = [p for p in problems if p["problem"] == INCOMPLETE_STREAM]
+    methods = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
+    documented = [f"{m.upper()} {path}" for path, ops in schema_paths.items() for m in (ops or {}) if m in methods]
+    never_2xx = sorted(op for op in documented if not any(k.startswith("2") for k in by_op.get(op, {})))
     return {"requests": sum(sum(c.values()) for c in by_op.values()),
             "by_operation": {op: dict(c) for op, c in sorted(by_op.items())},
+            "never_2xx": never_2xx,
             "server_errors": len(server_errors),
             "other_problems": len(problems) - len(server_errors) - len(incomplete),
             "incomplete_streams": len(incomplete),
@@ -268,6 +293,9 @@ def markdown(doc: dict[str, Any]) -> str:
     if only_405:
         lines.append(f"| {len(only_405)} undocumented method/path pairs (e.g. `{next(iter(only_405))}`) | "
                      f"405: {sum(c['405'] for c in only_405.values())} |")
+    if a.get("never_2xx"):
+        lines += ["", f"Warning: never answered 2xx, so only their rejection paths were exercised: "
+                  f"{', '.join(f'`{op}`' for op in a['never_2xx'])}."]
     s = doc["after"]
     lines += ["", f"After the fuzz: /health {s.get('health')}, a chat completion {s.get('chat_status')} "
               f"({s.get('chat_text', '')[:60]!r}), slots_busy {s.get('slots_busy')}, queue_depth {s.get('queue_depth')}"

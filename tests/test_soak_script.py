@@ -92,14 +92,19 @@ def test_overrides_parse_like_serve_run() -> None:
 
 
 def test_fuzz_caps_generation_and_keeps_invalid_values() -> None:
-    assert fuzz.cap_generation({"messages": []}, 8) == {"messages": [], "max_completion_tokens": 8}
-    assert fuzz.cap_generation({"prompt": "x"}, 8) == {"prompt": "x", "max_tokens": 8}
-    assert fuzz.cap_generation({"prompt": "x", "max_tokens": 10**9}, 8)["max_tokens"] == 8
-    assert fuzz.cap_generation({"prompt": "x", "max_tokens": "many"}, 8)["max_tokens"] == "many"
-    assert fuzz.cap_generation({"prompt": "x", "max_tokens": True}, 8)["max_tokens"] is True
-    assert fuzz.cap_generation({"messages": [], "max_completion_tokens": 215.0}, 8)["max_completion_tokens"] == 8
-    assert fuzz.cap_generation({"prompt": "x", "max_tokens": 2.5}, 8)["max_tokens"] == 2.5
-    assert fuzz.cap_generation([1, 2], 8) == [1, 2]
+    chat, comp, resp = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+    assert fuzz.cap_generation({"messages": []}, 8, chat) == {"messages": [], "max_completion_tokens": 8}
+    assert fuzz.cap_generation({"messages": [], "max_tokens": 99}, 8, chat) == {"messages": [], "max_tokens": 8}
+    assert fuzz.cap_generation({"prompt": "x"}, 8, comp) == {"prompt": "x", "max_tokens": 8}
+    assert fuzz.cap_generation({"prompt": "x", "max_tokens": 10**9}, 8, comp)["max_tokens"] == 8
+    assert fuzz.cap_generation({"prompt": "x", "max_tokens": "many"}, 8, comp)["max_tokens"] == "many"
+    assert fuzz.cap_generation({"prompt": "x", "max_tokens": True}, 8, comp)["max_tokens"] is True
+    assert fuzz.cap_generation({"messages": [], "max_completion_tokens": 215.0}, 8, chat)["max_completion_tokens"] == 8
+    assert fuzz.cap_generation({"prompt": "x", "max_tokens": 2.5}, 8, comp)["max_tokens"] == 2.5
+    assert fuzz.cap_generation({"input": "x"}, 8, resp) == {"input": "x", "max_output_tokens": 8}
+    # routes that do not generate get their body as generated (an extra field would be a 400 there)
+    assert fuzz.cap_generation({"content": "x"}, 8, "/tokenize") == {"content": "x"}
+    assert fuzz.cap_generation([1, 2], 8, comp) == [1, 2]
     assert fuzz.drop_fields({"a": 1, "b": 2}, ["a"]) == {"b": 2}
 
 
@@ -140,6 +145,8 @@ def test_fuzz_har_analysis_lists_server_errors_with_their_requests() -> None:
     a = fuzz.analyse_har(har, {"/health": {}, "/v1/completions": {}})
     assert a["requests"] == 5 and a["server_errors"] == 2 and a["other_problems"] == 1
     assert a["incomplete_streams"] == 1
+    assert a["never_2xx"] == []
+    assert fuzz.analyse_har(har, {"/health": {"get": {}}, "/tokenize": {"post": {}}})["never_2xx"] == ["POST /tokenize"]
     assert a["by_operation"]["POST /v1/completions"] == {"500": 2, "400": 1, "200": 1}
     groups = fuzz.group_problems(a["problems"])
     assert groups[0]["status"] == 500 and groups[0]["count"] == 2 and groups[0]["request_body"] == '{"prompt": "x"}'
