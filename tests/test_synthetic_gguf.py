@@ -150,8 +150,8 @@ def test_reader_metadata_and_shapes(msg: ModuleType, embedded: object, tiny_mode
     embedded_kvs = {k: v for k, v, _, _ in embedded.kvs}
     assert _reader_value(reader, "tokenizer.chat_template").encode() == embedded_kvs["tokenizer.chat_template"]
     for special in ("bos", "eos"):
-        key = f"tokenizer.ggml.{special}_token_id"
-        assert _reader_value(reader, key) == embedded_kvs[key]
+        special_key = f"tokenizer.ggml.{special}_token_id"
+        assert _reader_value(reader, special_key) == embedded_kvs[special_key]
 
     tensors = {t.name: t for t in reader.tensors}
     assert len(tensors) == model.summary.n_tensors
