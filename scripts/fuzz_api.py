@@ -8,7 +8,7 @@ operation (--max-examples each, the whole run bounded by --max-time), with the c
 * not_a_server_error (schemathesis's): no 5xx;
 * openai_response (this file's, loaded as a schemathesis hooks module): a non-streamed body is JSON, an
   error (4xx) is OpenAI's error JSON, and a streamed 200 carries no `{"error": ...}` event (a server error
-  that arrived after the 200 status line).
+  that arrived after the 200 status line; for /v1/responses an `error` or `response.failed` event).
 
 Generation is capped on the generating routes (max_tokens / max_completion_tokens / max_output_tokens at
 most --max-tokens-cap, set when absent) so a generated request cannot hold a slot for a whole context;
@@ -98,27 +98,50 @@ def cap_generation(body: Any, cap: int, path: str) -> Any:
     return body
 
 
-def sse_error_events(text: str) -> list[str]:
-    """The `{"error": ...}` events of an SSE body."""
-    errors = []
+RESPONSES_DONE = ("response.completed", "response.incomplete")  # the Responses API's last events
+
+
+def sse_events(text: str) -> list[Any]:
+    """The decoded `data:` payloads of an SSE body ("[DONE]" stays a string; undecodable ones are None)."""
+    events: list[Any] = []
     for line in text.splitlines():
         if not line.startswith("data:"):
             continue
         payload = line[5:].strip()
         if payload == "[DONE]":
+            events.append("[DONE]")
             continue
         try:
-            obj = json.loads(payload)
+            events.append(json.loads(payload))
         except ValueError:
-            errors.append(f"undecodable event {payload[:120]!r}")
-            continue
-        if isinstance(obj, dict) and "error" in obj:
+            events.append(None)
+    return events
+
+
+def sse_error_events(text: str) -> list[str]:
+    """The error events of an SSE body: chat/completions' `{"error": ...}`, the Responses API's `error` and
+    `response.failed` events, and undecodable ones."""
+    errors = []
+    for obj in sse_events(text):
+        if obj is None:
+            errors.append("undecodable event")
+        elif isinstance(obj, dict) and "error" in obj and obj.get("type") is None:
             err = obj["error"]
             errors.append(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+        elif isinstance(obj, dict) and obj.get("type") in ("error", "response.failed"):
+            err = obj.get("message") or (obj.get("response") or {}).get("error") or obj
+            errors.append(f"{obj['type']}: {str(err)[:200]}")
     return errors
 
 
-INCOMPLETE_STREAM = "a 200 stream without data: [DONE]"
+def sse_complete(text: str) -> bool:
+    """The stream ended as its API ends one: `data: [DONE]`, or a Responses API completed/incomplete event."""
+    for obj in reversed(sse_events(text)):
+        return obj == "[DONE]" or (isinstance(obj, dict) and obj.get("type") in RESPONSES_DONE)
+    return False
+
+
+INCOMPLETE_STREAM = "a 200 stream that did not end (no data: [DONE], no response.completed)"
 
 
 def documented_types(paths: dict[str, Any], method: str, path: str, status: int) -> set[str]:
@@ -144,7 +167,7 @@ def response_problem(status: int, content_type: str, text: str, declared: set[st
         errors = sse_error_events(text)
         if errors:
             return f"error event in a 200 stream: {errors[0][:300]}"
-        if "data: [DONE]" not in text:
+        if not sse_complete(text):
             return INCOMPLETE_STREAM
         return None
     media = content_type.split(";")[0].strip()

@@ -118,6 +118,13 @@ def test_fuzz_response_rules() -> None:
     assert "non-JSON" in fuzz.response_problem(200, "text/plain", "hello")
     assert fuzz.response_problem(500, "text/plain", "Internal Server Error").startswith("server error 500")
     assert fuzz.response_problem(200, "text/event-stream", 'data: {"choices": []}\n\n') == fuzz.INCOMPLETE_STREAM
+    # the Responses API ends with response.completed, and reports errors as typed events
+    done = 'event: response.completed\ndata: {"type": "response.completed", "response": {"error": null}}\n\n'
+    assert fuzz.response_problem(200, "text/event-stream", done) is None
+    failed = 'event: response.failed\ndata: {"type": "response.failed", "response": {"error": {"message": "m"}}}\n\n'
+    assert "response.failed" in fuzz.response_problem(200, "text/event-stream", failed)
+    typed_error = 'data: {"type": "error", "message": "x"}\n\n'
+    assert "error event" in fuzz.response_problem(200, "text/event-stream", typed_error)
     # a non-JSON type the schema declares (Prometheus text on /metrics) is fine; undeclared it is not
     paths = {"/metrics": {"get": {"responses": {"200": {"content": {"text/plain; version=1.0.0": {}}}}}}}
     declared = fuzz.documented_types(paths, "GET", "/metrics", 200)
