@@ -29,4 +29,13 @@ def provenance() -> dict[str, Any]:
     return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "cpu": cpu,
             "cpus": len(os.sched_getaffinity(0)), "commit": _run(["git", "rev-parse", "--short", "HEAD"]),
             "dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
-            "llama_cpp_python": importlib.metadata.version("llama-cpp-python"), "command": " ".join(sys.argv)}
+            "llama_cpp_python": _bindings_version(), "command": " ".join(sys.argv)}
+
+
+def _bindings_version() -> str:
+    """The installed package's version; a source tree on PYTHONPATH (the GPU recipe) has no metadata."""
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        module = sys.modules.get("llama_cpp")
+        return str(getattr(module, "__version__", "unknown"))
