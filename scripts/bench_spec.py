@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Speculative decoding (prompt lookup) on vs off, through our engine, on the real embedded model.
 
-Both engines are loaded side by side (same config but `spec_mode`); every round runs the same requests on
-each, alternating which goes first, for both prompt sets of measure/workload.py (`copy`: edit code / quote a
+Each round loads an engine with speculation off and one with it on (same config but `spec_mode`; the 135M
+model loads in a fraction of a second), one at a time so neither's idle threads compete with the other, and
+runs the same requests on each, alternating which goes first, for both prompt sets of measure/workload.py (`copy`: edit code / quote a
 text, `plain`: free writing), single stream and `--concurrency` streams. Reported per set: median decode
 tok/s of a single stream, median aggregate tok/s, the on/off ratios, the acceptance rate (accepted / drafted
 guesses), and whether the greedy texts were identical (they must be: speculation is lossless).
@@ -33,20 +34,26 @@ from serving.config import EngineConfig, SpecMode  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 
 
-def round_of(engines: dict[SpecMode, Engine], prompt_set: PromptSet, args: argparse.Namespace, first: SpecMode,
-             number: int) -> dict[SpecMode, dict[str, Any]]:
-    """One round: the same single and concurrent requests on both engines, `first` going first."""
-    order = [first, *(m for m in engines if m != first)]
+def round_of(configs: dict[SpecMode, EngineConfig], prompt_set: PromptSet, args: argparse.Namespace,
+             first: SpecMode, number: int) -> dict[SpecMode, dict[str, Any]]:
+    """One round: the same single and concurrent requests on both configs, `first` going first."""
+    order = [first, *(m for m in configs if m != first)]
     out: dict[SpecMode, dict[str, Any]] = {}
     for mode in order:
-        workload = Workload(gen_tokens=args.gen_tokens, concurrency=args.concurrency, prompt_set=prompt_set)
+        workload = Workload(gen_tokens=args.gen_tokens, concurrency=args.concurrency, prompt_set=prompt_set,
+                            ignore_eos=False)  # an EOS-less greedy loop would flatter prompt lookup
         runner = Runner(workload)
-        runner._n = number * 1000  # noqa: SLF001 (same request numbers, so the same prompts, on both engines)
-        before = engines[mode].stats()["counters"]
-        single = runner.single(engines[mode])
-        runner._n = number * 1000 + 100  # noqa: SLF001
-        aggregate, streams = runner.concurrent(engines[mode])
-        after = engines[mode].stats()["counters"]
+        engine = Engine(configs[mode])
+        try:
+            runner.single(engine)  # warm-up
+            runner._n = number * 1000  # noqa: SLF001 (same request numbers, so the same prompts, on both engines)
+            before = engine.stats()["counters"]
+            single = runner.single(engine)
+            runner._n = number * 1000 + 100  # noqa: SLF001
+            aggregate, streams = runner.concurrent(engine)
+            after = engine.stats()["counters"]
+        finally:
+            engine.close()
         out[mode] = {"single_tok_s": single.decode_tok_s, "aggregate_tok_s": aggregate,
                      "texts": [single.text] + [s.text for s in streams],
                      "drafted": after["spec_drafted"] - before["spec_drafted"],
@@ -89,25 +96,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench_spec.json")
     args = parser.parse_args(argv)
     base = EngineConfig(n_parallel=args.concurrency, n_ctx=args.concurrency * 2048, seed=1, n_threads=args.threads)
-    engines = {SpecMode.off: Engine(base),
-               SpecMode.ngram: Engine(base.model_copy(update={"spec_mode": SpecMode.ngram,
-                                                              "spec_draft_max": args.draft_max,
-                                                              "spec_max_busy": args.max_busy}))}
-    try:
-        results = {}
-        for prompt_set in (PromptSet.copy, PromptSet.plain):
-            round_of(engines, prompt_set, args, SpecMode.off, 0)  # warm-up
-            rounds = []
-            for i in range(args.rounds):
-                first = SpecMode.off if i % 2 == 0 else SpecMode.ngram
-                rounds.append(round_of(engines, prompt_set, args, first, i + 1))
-                print(f"{prompt_set.value} round {i + 1}/{args.rounds}: "
-                      + ", ".join(f"{m.value} {r['single_tok_s']:.1f}/{r['aggregate_tok_s']:.1f}"
-                                  for m, r in rounds[-1].items()), flush=True)
-            results[prompt_set.value] = summarise(rounds)
-    finally:
-        for engine in engines.values():
-            engine.close()
+    configs = {SpecMode.off: base,
+               SpecMode.ngram: base.model_copy(update={"spec_mode": SpecMode.ngram, "spec_draft_max": args.draft_max,
+                                                       "spec_max_busy": args.max_busy})}
+    results = {}
+    for prompt_set in (PromptSet.copy, PromptSet.plain):
+        rounds = []
+        for i in range(args.rounds):
+            first = SpecMode.off if i % 2 == 0 else SpecMode.ngram
+            rounds.append(round_of(configs, prompt_set, args, first, i + 1))
+            print(f"{prompt_set.value} round {i + 1}/{args.rounds}: "
+                  + ", ".join(f"{m.value} {r['single_tok_s']:.1f}/{r['aggregate_tok_s']:.1f}"
+                              for m, r in rounds[-1].items()), flush=True)
+        results[prompt_set.value] = summarise(rounds)
     report = {"provenance": provenance(), "config": base.to_yaml_dict(), "draft_max": args.draft_max,
               "max_busy": args.max_busy, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
