@@ -44,11 +44,11 @@ class ChatTemplate:
         return "tools" in self.source
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
-        """Render as Hugging Face's apply_chat_template does: `tools` in OpenAI's shape, extra keyword
-        arguments (e.g. `enable_thinking`) visible to the template as variables."""
+               tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """Render as Hugging Face's apply_chat_template does: `tools` in OpenAI's shape, `template_kwargs`
+        (e.g. `enable_thinking`) visible to the template as variables (they cannot replace messages or tools)."""
         try:
-            variables = {**template_kwargs, "messages": messages, "tools": tools, "bos_token": self._bos,
+            variables = {**(template_kwargs or {}), "messages": messages, "tools": tools, "bos_token": self._bos,
                          "eos_token": self._eos, "add_generation_prompt": add_generation_prompt}
             return self._template.render(**variables)
         except ChatTemplateError:

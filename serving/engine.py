@@ -136,9 +136,9 @@ class Engine:
         return self._with_model(lambda m: m.tokenize(text, add_special, parse_special))
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    **template_kwargs: Any) -> str:
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """Render chat messages with the model's own template (from the GGUF metadata)."""
-        return self._template.render(messages, tools=tools, **template_kwargs)
+        return self._template.render(messages, tools=tools, template_kwargs=template_kwargs)
 
     @property
     def chat_template(self) -> ChatTemplate:

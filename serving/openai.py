@@ -605,8 +605,8 @@ def _render(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str
     tool_turns = bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     try:
         if tool_turns and not engine.chat_template.knows_tools:
-            return engine.render_chat(messages_for_plain_template(messages, tools), **kwargs)
-        return engine.render_chat(messages, tools=tools, **kwargs)
+            return engine.render_chat(messages_for_plain_template(messages, tools), template_kwargs=kwargs)
+        return engine.render_chat(messages, tools=tools, template_kwargs=kwargs)
     except ChatTemplateError as exc:  # the template's own message (roles out of order, ...)
         raise APIError(400, str(exc), param="messages") from exc
     except EngineStoppedError:

@@ -437,8 +437,8 @@ def test_api_key_is_enforced_when_set(ray_session: None, serve_url: str) -> None
 
     from serving.app import main
 
-    serve.run(main({"n_parallel": 1, "n_ctx": 1024, "api_key": "sekrit", "cpus_per_replica": 0.5}),
-              name="auth", route_prefix="/auth")
+    serve.run(main({"n_parallel": 1, "n_ctx": 1024, "api_key": "sekrit", "cpus_per_replica": 0.5,
+                    "cors_origins": "https://app.example"}), name="auth", route_prefix="/auth")
     try:
         wait_healthy(f"{serve_url}/auth")  # /health needs no key
         body = {"prompt": "Hi", "max_tokens": 2}
@@ -458,6 +458,17 @@ def test_api_key_is_enforced_when_set(ray_session: None, serve_url: str) -> None
             right = post(Authorization=f"{scheme} sekrit")
             assert right.status_code == 200 and assert_generated(right.json())
         assert httpx.get(f"{base}/openapi.json", timeout=30).status_code == 200
+        # CORS (cors_origins): a browser's preflight from the allowed origin is answered without a key; the
+        # actual request still needs one; another origin gets no CORS headers
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        ok = httpx.options(f"{base}/v1/completions", timeout=30, headers={"Origin": "https://app.example",
+                                                                          **preflight})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(f"{base}/v1/completions", timeout=30, headers={"Origin": "https://evil.example",
+                                                                             **preflight})
+        assert "access-control-allow-origin" not in other.headers
+        cross = post(Authorization="Bearer sekrit", Origin="https://app.example")
+        assert cross.status_code == 200 and cross.headers["access-control-allow-origin"] == "https://app.example"
     finally:
         serve.delete("auth")
 

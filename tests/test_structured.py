@@ -101,3 +101,17 @@ def test_forced_call_schemas_get_length_bounds() -> None:
     assert out["properties"]["a"]["maxLength"] == MAX_CALL_STRING and "maxLength" not in out["properties"]["b"]
     assert out["properties"]["c"]["maxItems"] == MAX_CALL_ITEMS and out["properties"]["c"]["items"]["maxLength"] == 3
     assert "maxLength" not in schema["properties"]["a"]  # the caller's schema is left as it was
+
+
+def test_chat_template_sees_tools_and_template_kwargs() -> None:
+    from serving.chat_template import ChatTemplate
+
+    source = ("{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+              "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+              "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    template = ChatTemplate(source, "<s>", "</s>")
+    assert template.knows_tools
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    out = template.render([{"role": "user", "content": "hi"}], tools=tools, template_kwargs={"enable_thinking": False})
+    assert out == "/no_think [f]user: hi\n"
+    assert template.render([{"role": "user", "content": "hi"}], template_kwargs={"messages": "x"}) == "user: hi\n"
