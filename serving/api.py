@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -142,10 +142,28 @@ class MessageToolCall(BaseModel):
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's plus llama-server's extensions)."""
+class _RequestBody(BaseModel):
+    """A request body: a JSON object; fields this server does not implement are reported, never ignored."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    NO_EFFECT: ClassVar[frozenset[str]] = NO_EFFECT_FIELDS
+    IDLE: ClassVar[tuple[Any, ...]] = (None, False, 0, [], {})  # values that ask for nothing
+
+    @model_validator(mode="before")
+    @classmethod
+    def _body_is_an_object(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise ValueError("the request body must be a JSON object")
+        return data
+
+    def unsupported_fields(self) -> list[str]:
+        """Fields sent that this server does not implement (and that would change the answer)."""
+        extra = self.model_extra or {}
+        return sorted(k for k, v in extra.items() if k not in self.NO_EFFECT and v not in self.IDLE)
+
+
+class _SamplingFields(_RequestBody):
+    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's plus llama-server's extensions)."""
 
     model: Text | None = None
     max_tokens: int | None = Field(None, ge=1, description="default: until the slot's context is full")
@@ -168,18 +186,6 @@ class _SamplingFields(BaseModel):
     grammar: Text | None = Field(None, description="llama-server's raw GBNF grammar (root rule 'root')")
     json_schema: dict[str, Any] | None = Field(None, description="llama-server's: constrain to this JSON schema")
     response_format: ResponseFormat | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _body_is_an_object(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            raise ValueError("the request body must be a JSON object")
-        return data
-
-    def unsupported_fields(self) -> list[str]:
-        """Fields sent that this server does not implement (and that would change the answer)."""
-        extra = self.model_extra or {}
-        return sorted(k for k, v in extra.items() if k not in NO_EFFECT_FIELDS and v not in (None, False, 0, [], {}))
 
     def constraint_grammar(self) -> str | None:
         """The grammar that `grammar`, `json_schema` or `response_format` ask for (at most one of them)."""
@@ -386,10 +392,11 @@ class ResponsesText(BaseModel):
     format: ResponsesTextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(_RequestBody):
     """OpenAI's /v1/responses for plain text in and out: `input` as text or messages, `instructions`."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    NO_EFFECT: ClassVar[frozenset[str]] = NO_EFFECT_FIELDS | {"reasoning", "tool_choice", "tools", "include"}
+    IDLE: ClassVar[tuple[Any, ...]] = (None, False, 0, [], {}, "none", "auto")
 
     model: Text | None = None
     input: Text | list[ResponsesInputMessage] = Field(..., min_length=1)
@@ -401,19 +408,6 @@ class ResponsesRequest(BaseModel):
     text: ResponsesText | None = None
     truncation: Literal["disabled"] | None = None
     parallel_tool_calls: bool | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _body_is_an_object(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            raise ValueError("the request body must be a JSON object")
-        return data
-
-    def unsupported_fields(self) -> list[str]:
-        extra = self.model_extra or {}
-        noop = NO_EFFECT_FIELDS | {"reasoning", "tool_choice", "tools", "include"}
-        idle: tuple[Any, ...] = (None, False, 0, [], {}, "none", "auto")
-        return sorted(k for k, v in extra.items() if k not in noop and v not in idle)
 
     def messages(self) -> list[dict[str, Any]]:
         out = [{"role": "system", "content": self.instructions}] if self.instructions else []
