@@ -33,7 +33,7 @@ from serving.config import EngineConfig  # noqa: E402
 from serving.errors import EngineError, EngineStoppedError, PromptTooLongError, QueueFullError  # noqa: E402
 from serving.output import OutputProcessor  # noqa: E402
 from serving.repack import use_extra_bufts  # noqa: E402
-from serving.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams  # noqa: E402
+from serving.request import Request, RequestHandle, SamplingParams  # noqa: E402
 from serving.scheduler import RequestOutput, Scheduler  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -118,10 +118,6 @@ class Engine:
     @property
     def n_ctx_train(self) -> int:
         return self._with_model(lambda m: m.n_ctx_train)
-
-    @property
-    def model_size_bytes(self) -> int:
-        return self._with_model(lambda m: m.size_bytes)
 
     @property
     def alive(self) -> bool:
@@ -461,5 +457,4 @@ def _drain(commands: queue.SimpleQueue[_Command]) -> list[_Command]:
             return out
 
 
-__all__ = ["Engine", "EngineError", "EngineStats", "FinishReason", "GenerationChunk", "PromptTooLongError",
-           "default_threads"]
+__all__ = ["Engine", "EngineError", "EngineStats", "PromptTooLongError", "default_threads"]

@@ -189,10 +189,6 @@ class Scheduler:
     def drained(self) -> bool:
         return all(slot.request is None for slot in self.slots)
 
-    @property
-    def n_ctx_seq(self) -> int:
-        return self._ctx.n_ctx_seq
-
     # -- the step ------------------------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], bool]:
         """One engine step: (what happened to each request, whether a decode ran)."""
