@@ -428,3 +428,33 @@ def test_measured_engine_memory_is_near_the_prediction(shape: ModelShape) -> Non
     ratio = grown / predicted.total
     print(f"RSS growth {grown / 2**20:.0f} MiB vs predicted {predicted.total / 2**20:.0f} MiB: {ratio:.2f}x")
     assert 0.3 < ratio < 2.0
+
+
+def test_a_config_already_measured_is_answered_without_measuring_again() -> None:
+    """Two parameter sets that make the same engine (n_ubatch above n_batch is clamped) cost one measurement."""
+    from tuning.memory import ModelShape
+    from tuning.objective import Workload
+    from tuning.trial import EngineTrial, TrialSettings
+
+    base = EngineConfig()
+    shape = ModelShape.from_gguf(base.model_path)
+    trial = object.__new__(EngineTrial)  # the trainable's logic without a Ray Tune actor around it
+    trial.settings = TrialSettings(base=base, shape=shape, budget_bytes=2**40, on_gpu=False, workload=Workload(),
+                                   max_quality_loss=0.1)
+    trial.actor, trial.measured = "test", {}
+    calls: list[EngineConfig] = []
+
+    def fake_measure(config: EngineConfig) -> dict:
+        calls.append(config)
+        return {"single_tok_s": 10.0, "aggregate_tok_s": 20.0, "mem_measured": 1, "nll_delta": 0.0}
+
+    trial._measure = fake_measure  # type: ignore[method-assign]
+    params = {"n_parallel": 2, "n_batch": 256, "ctx_per_slot": 1024, "type_k": "f16", "type_v": "f16",
+              "flash_attn": "on"}
+    results = []
+    for n_ubatch in (512, 1024, 256):  # all three clamp to n_ubatch = 256
+        trial.config = {**params, "n_ubatch": n_ubatch}
+        results.append(trial.step())
+    assert len(calls) == 1
+    assert [r.get("reused", False) for r in results] == [False, True, True]
+    assert all(r["single_tok_s"] == 10.0 for r in results)

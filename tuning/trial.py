@@ -49,6 +49,7 @@ class EngineTrial(tune.Trainable):
         self.probe = DeviceProbe(settings.on_gpu)
         self.baseline_nll: float | None = None
         self.actor = f"{socket.gethostname()}:{os.getpid()}"
+        self.measured: dict[EngineConfig, dict[str, Any]] = {}  # what this actor already measured, per config
 
     def reset_config(self, new_config: dict[str, Any]) -> bool:
         self.config = new_config  # the engine stays: the next step rebuilds only what changed
@@ -67,8 +68,12 @@ class EngineTrial(tune.Trainable):
         if predicted.total > s.budget_bytes:
             result["rejected"] = "predicted memory over budget"
             return {**result, **self._constraints(predicted.total, None)}
+        if config in self.measured:  # different parameters, same engine (e.g. n_ubatch clamped): no re-run
+            result.update(self.measured[config], reused=True)
+            return {**result, **self._constraints(result["mem_measured"], result["nll_delta"])}
         try:
-            result.update(self._measure(config))
+            self.measured[config] = self._measure(config)
+            result.update(self.measured[config])
         except (EngineError, RuntimeError) as exc:
             result["error"] = str(exc)
             return {**result, **self._constraints(None, None)}
