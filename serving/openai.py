@@ -401,14 +401,7 @@ class OpenAIRoutes:
         if body.stream:
             return StreamingResponse(self._responses_stream(handle, answer, state, request_id(request.headers)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        async with _cancel_unless_finished([handle], self.metrics):
-            async for chunk in handle:
-                if chunk.finish_reason == FinishReason.error:
-                    self.metrics.record_request(chunk.usage, FinishReason.error)
-                    raise _generation_failed(chunk)
-                state.feed(chunk)
-                if chunk.finish_reason is not None:
-                    self.metrics.record_request(chunk.usage, chunk.finish_reason)
+        await self._gather([handle], [state])
         status = "incomplete" if state.finish == "length" else "completed"
         return answer.body(status, state.content, state.usage, state.finish)
 
@@ -478,15 +471,19 @@ class OpenAIRoutes:
         if body.stream:
             return StreamingResponse(self._stream(job, body.include_usage, rid),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        async with _cancel_unless_finished(job.handles, self.metrics):
-            async for index, chunk in merged(job.handles):
+        await self._gather(job.handles, job.states)
+        return job.whole()
+
+    async def _gather(self, handles: list[RequestHandle], states: list[ChoiceState]) -> None:
+        """Read every choice to its end into its state (a whole answer); a failed choice is a 500."""
+        async with _cancel_unless_finished(handles, self.metrics):
+            async for index, chunk in merged(handles):
                 if chunk.finish_reason == FinishReason.error:
                     self.metrics.record_request(chunk.usage, FinishReason.error)
                     raise _generation_failed(chunk)
-                job.states[index].feed(chunk)
+                states[index].feed(chunk)
                 if chunk.finish_reason is not None:
                     self.metrics.record_request(chunk.usage, chunk.finish_reason)
-        return job.whole()
 
     async def _stream(self, job: Job, include_usage: bool, rid: str) -> AsyncIterator[str]:
         async with _cancel_unless_finished(job.handles, self.metrics):

@@ -127,3 +127,16 @@ def serve_url(ray_session: None) -> str:
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url)
     return url
+
+
+@pytest.fixture(scope="session")
+def client(serve_url: str) -> Any:
+    """The official openai client on the shared app (no retries: a failure must show)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="session")
+def model(client: Any) -> str:
+    return str(client.models.list().data[0].id)

@@ -25,16 +25,6 @@ from tests.conftest import (
 )
 
 
-@pytest.fixture(scope="module")
-def client(serve_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def chat(client: openai.OpenAI, model: str, content: str, **kw) -> str:
     resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
                                           temperature=0, max_tokens=kw.pop("max_tokens", 24), **kw)

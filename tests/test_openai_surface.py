@@ -34,16 +34,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Cur
 ASK = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
 
 
-@pytest.fixture(scope="module")
-def client(serve_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def collect_stream(stream: Any) -> dict[str, Any]:
     """Join a chat stream per choice: content, reasoning, tool calls, finish reason, logprobs, usage."""
     out: dict[str, Any] = {"choices": {}, "usage": None, "events": []}
@@ -176,8 +166,6 @@ def test_n_choices(client: openai.OpenAI, model: str) -> None:
     resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell a joke."}],
                                           n=3, max_tokens=16, temperature=1.0, seed=5)
     assert [c.index for c in resp.choices] == [0, 1, 2] and len({c.message.content for c in resp.choices}) > 1
-    assert resp.usage.completion_tokens == sum(len(c.message.content) > 0 for c in resp.choices) * 0 + \
-        resp.usage.completion_tokens  # counted once: checked against the stream below
     streamed = collect_stream(client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Tell a joke."}], n=3, max_tokens=16, temperature=1.0,
         seed=5, stream=True, stream_options={"include_usage": True}))
