@@ -89,7 +89,7 @@ class LoopbackApp:
     def start(self, timeout_s: float = 300.0) -> float:
         """Start Ray, Serve and the app; return the seconds until /health answered 200."""
         os.environ.pop("RAY_ADDRESS", None)
-        from serving import llama as _llama  # noqa: F401  (load order: libllama before numpy)
+        from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
         import ray
         from ray import serve
 

@@ -16,7 +16,8 @@ Phases (see docs/robustness.md for what each one proves):
 * switch      4 clients stream while the config is switched live on the ConfigChannel (n_parallel 4 -> 2,
                 n_batch, back): 0 failed requests and /slots shows each new config.
 * penalised   one request with repeat/frequency/presence penalties among greedy ones: all 200, text, no error.
-* kill        the replica's process SIGKILLed under 8-way load: clients see HTTP errors (no hang), and
+* kill        the replica's process SIGKILLed under 8-way load: clients see OpenAI error JSON or an error
+                event + [DONE] in a cut stream (no hang, no plain-text 500), and
                 /health + a probe completion recover within --recovery-bound-s. Recovery time: from the kill
                 to the first successful completion of a request sent after it (a client's or the probe's).
 
@@ -337,8 +338,8 @@ def judge_all_ok(outcomes: list[Outcome], need_text: bool = False) -> list[str]:
 
 
 def judge_kill(outcomes: list[Outcome], t_kill: float) -> tuple[list[str], dict[str, Any]]:
-    """Around a killed replica: no hang, no request without an HTTP status (the proxy stays up), every error a
-    status >= 500 with a body; a stream cut mid-way by the dead process counts as clean (it ended, no hang)."""
+    """Around a killed replica: no hang, no request without an HTTP status (the ingress stays up), every error
+    a 5xx with OpenAI's error JSON, and every stream the dead replica cut ended by an error event and [DONE]."""
     failures: list[str] = []
     seen: Counter[str] = Counter()
     for o in outcomes:
@@ -351,13 +352,16 @@ def judge_kill(outcomes: list[Outcome], t_kill: float) -> tuple[list[str], dict[
         elif o.status is None:
             failures.append(f"no HTTP status: {describe(o)}")
             seen["no-status"] += 1
-        elif o.status == 200:  # stream cut: connection closed or an error event
-            seen["stream-cut(error-event)" if o.error_event else "stream-cut(connection closed)"] += 1
-        elif o.status >= 500 and (o.body or o.openai_error):
-            seen[f"{o.status}{' json' if o.openai_error else ' text'}"] += 1
+        elif o.status == 200 and o.error_event and o.done:
+            seen["stream-cut(error-event, [DONE])"] += 1
+        elif o.status == 200:
+            failures.append(f"stream cut without an error event and [DONE]: {describe(o)}")
+            seen["stream-cut(connection closed)"] += 1
+        elif o.status >= 500 and o.openai_error:
+            seen[f"{o.status} json"] += 1
         else:
-            failures.append(f"unexpected: {describe(o)}")
-            seen[o.label] += 1
+            failures.append(f"not OpenAI's error JSON: {describe(o)}")
+            seen[f"{o.label} text" if o.status >= 500 else o.label] += 1
     after = [o for o in outcomes if o.t_start >= t_kill]
     return failures, {"outcomes": dict(seen), "requests_after_kill": len(after),
                       "ok_after_kill": sum(o.ok for o in after)}

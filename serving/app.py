@@ -1,5 +1,7 @@
-"""The Ray Serve app: one replica per GPU, each one Engine behind the OpenAI-compatible routes of
-serving/openai.py, plus the control routes /health, /slots and /metrics.
+"""The Ray Serve app: an ingress (serving/ingress.py) that takes every HTTP request, and one engine replica
+per GPU (LlamaServer here), each one Engine behind the OpenAI-compatible routes of serving/openai.py plus
+the control routes /slots, /props and /metrics. The ingress answers /health itself, from a quick question
+to an engine replica, and relays every other request to one (serving/relay.py).
 
 `serve run serving.app:main [config=FILE] [KEY=VALUE ...]` builds it: KEYs are EngineConfig fields or
 ServerOptions fields. The engine config travels as the deployment's `user_config` (the first load, and
@@ -11,10 +13,10 @@ Admission control is the engine's bounded queue, not Serve's `max_ongoing_reques
 to n_parallel running requests and `max_queued_requests` waiting ones; the next completion gets a 503 with
 OpenAI's error JSON and Retry-After from the engine. Serve's limit is set above anything the engine can
 hold (the most slots any config may have, plus the queue, plus headroom), so it never binds on
-completions: control routes are never queued behind them, the engine's 503 fires before Serve's
-plain-text one, and a live n_parallel change takes effect in the engine at once, with nothing in Serve
-to redeploy. Serve still routes each request to the replica with the fewest ongoing requests, which now
-counts queued ones too: a replica with a backlog (or one draining for a config change) gets less.
+completions: control routes are never queued behind them, the engine's 503 fires before Serve's, and a
+live n_parallel change takes effect in the engine at once, with nothing in Serve to redeploy. Serve still
+routes each request to the replica with the fewest ongoing requests, which now counts queued ones too: a
+replica with a backlog (or one draining for a config change) gets less.
 """
 
 
@@ -23,6 +25,7 @@ import importlib.metadata
 import logging
 import threading
 from dataclasses import asdict
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +35,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.types import ASGIApp
 
 from serving.api import APIError
 from serving.config import EngineConfig, load_engine_config
 from serving.control import DEPLOYMENT_NAME, ConfigChannel, ConfigFollower
 from serving.engine import Engine
+from serving.ingress import HealthReport, OpenAIIngress
 from serving.metrics import CONTENT_TYPE, ReplicaMetrics
 from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middleware
+from serving.relay import RelayedPart, RelayedRequest, run_relayed
 from serving.request import SamplingParams
 
 log = logging.getLogger("serving")
@@ -70,6 +76,9 @@ class ServerOptions(BaseModel):
     api_key: str | None = Field(None, description="if set, requests need 'Authorization: Bearer <key>'")
     cors_origins: list[str] = Field(default_factory=list, description="origins browsers may call from "
                                     "(CORS), e.g. ['*'] or 'https://a.example,https://b.example'; none: no CORS")
+    stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="streams: after the first bytes, "
+                                      "at most one relayed part per this many ms (what comes between travels "
+                                      "together); fewer hops cost the decode threads less CPU")
     cpus_per_replica: float = Field(1.0, gt=0)
     config_poll_s: float = Field(1.0, gt=0, description="how often replicas look for a published config")
 
@@ -149,6 +158,7 @@ class LlamaServer(OpenAIRoutes):
     follows config changes from Serve's user_config and from the app's ConfigChannel."""
 
     metrics: ReplicaMetrics
+    app: ASGIApp  # this replica's FastAPI app (`api` bound to it), provided by Serve's ingress wrapper
 
     def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:
         self._options = ServerOptions(**options)
@@ -246,17 +256,29 @@ class LlamaServer(OpenAIRoutes):
         return engine
 
     # -- control routes: they read state only, never take a slot or wait for the engine --------------
-    @api.get("/health", responses={503: {"description": "loading, or the model failed to load"}})
+    @api.get("/health", responses={503: {"description": "loading, the model failed to load, or no replica is up"}})
     async def health(self) -> JSONResponse:
-        """200 once the engine serves; 503 while loading, after a failed load, or if the engine stopped."""
+        """200 once the engine serves; 503 while loading, after a failed load, or if the engine stopped.
+        (The app's ingress answers /health from health_report; this route documents it and serves a
+        replica reached directly.)"""
+        report = self.health_report()
+        return JSONResponse(report.body, status_code=report.status, headers=report.headers or None)
+
+    def health_report(self) -> HealthReport:
+        """This replica's state for /health: read only, never waits for the engine."""
         engine = self._engine
         if engine is not None and engine.alive:
-            return JSONResponse({"status": "ok"})
+            return HealthReport(200, {"status": "ok"})
         if engine is not None:
-            return JSONResponse({"status": "error", "error": "the engine has stopped"}, status_code=503)
+            return HealthReport(503, {"status": "error", "error": "the engine has stopped"})
         if self._loaded.is_set() and self._load_error:
-            return JSONResponse({"status": "error", "error": LOAD_FAILED}, status_code=503)
-        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "2"})
+            return HealthReport(503, {"status": "error", "error": LOAD_FAILED})
+        return HealthReport(503, {"status": "loading"}, {"Retry-After": "2"})
+
+    async def forward(self, request: RelayedRequest) -> AsyncIterator[RelayedPart]:
+        """A request the ingress relayed, answered by this replica's own routes (serving/relay.py)."""
+        async for part in run_relayed(self.app, request, self._options.stream_interval_ms / 1000):
+            yield part
 
     @api.get("/slots", responses=ERROR_RESPONSES)
     async def slots(self) -> dict[str, Any]:
@@ -341,7 +363,10 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
         ray_actor_options=actor_options,
         user_config={"engine": engine_config.to_yaml_dict()},
     )
-    return deployment.bind(options.model_dump(), ConfigChannel.bind())  # type: ignore[attr-defined]
+    engines = deployment.bind(options.model_dump(), ConfigChannel.bind())  # type: ignore[attr-defined]
+    ingress = OpenAIIngress.options(  # type: ignore[attr-defined]
+        max_ongoing_requests=int(replicas) * options.max_ongoing_requests + options.control_headroom)
+    return ingress.bind(engines)
 
 
 def main(args: dict[str, Any] | None = None) -> serve.Application:

@@ -124,16 +124,28 @@ def _unauthorized() -> APIError:
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def _too_large() -> APIError:
+def too_large() -> APIError:
     return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
 
 
-def _route_path(scope: Scope) -> str:
+def route_path(scope: Scope) -> str:
     """The path within the app (Serve mounts it under its route prefix, given as root_path)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
     if root and path.startswith(root):
         return path[len(root):] or "/"
     return path
+
+
+def refusal_of(scope: Scope, key: str | None) -> APIError | None:
+    """Why a request is refused before its body is read: a declared body over the limit, or (when the
+    server has an API key) a missing or wrong key on any route but PUBLIC_PATHS."""
+    headers = Headers(scope=scope)
+    length = headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        return too_large()
+    if key and route_path(scope) not in PUBLIC_PATHS and not api_key_matches(headers.get("authorization"), key):
+        return _unauthorized()
+    return None
 
 
 class GuardMiddleware:
@@ -167,11 +179,11 @@ class GuardMiddleware:
             message = await receive()
             received += len(message.get("body", b""))
             if received > MAX_BODY_BYTES:
-                raise StarletteHTTPException(413, _too_large().message)  # answered by _http_error
+                raise StarletteHTTPException(413, too_large().message)  # answered by _http_error
             return message
 
         try:
-            refusal = self._refusal(scope)
+            refusal = refusal_of(scope, self.key_of())
             if refusal is not None:
                 await error_response(refusal)(scope, receive, send)
                 return
@@ -181,18 +193,6 @@ class GuardMiddleware:
             log.exception("unhandled error on %s %s (request id %s)", scope.get("method"), scope.get("path"), rid)
             if not started:  # else the response is under way and can only be cut
                 await error_response(internal_error(rid))(scope, receive, send)
-
-    def _refusal(self, scope: Scope) -> APIError | None:
-        headers = Headers(scope=scope)
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return _too_large()
-        if _route_path(scope) not in PUBLIC_PATHS:
-            key = self.key_of()
-            if key and not api_key_matches(headers.get("authorization"), key):
-                return _unauthorized()
-        return None
-
 
 class DynamicCORSMiddleware:
     """CORS for browser clients, with the origins of the replica that serves (ServerOptions.cors_origins):
@@ -241,6 +241,11 @@ def _event(body: dict[str, Any]) -> str:
 
 DONE = "data: [DONE]\n\n"
 GENERATION_FAILED = "generation failed"
+
+
+def responses_error(err: APIError) -> dict[str, Any]:
+    """The fields of a Responses API `error` event: its `type` is the event's ("error"), not the error's."""
+    return {"code": err.code, "message": err.message, "param": err.param}
 
 
 def _generation_failed(chunk: GenerationChunk) -> APIError:
@@ -417,7 +422,7 @@ class OpenAIRoutes:
                 async for chunk in handle:
                     if chunk.finish_reason == FinishReason.error:
                         self.metrics.record_request(chunk.usage, FinishReason.error)
-                        yield typed(answer.event("error", **_generation_failed(chunk).body()["error"]))
+                        yield typed(answer.event("error", **responses_error(_generation_failed(chunk))))
                         return
                     delta = state.feed(chunk)
                     if delta.content:
@@ -428,7 +433,7 @@ class OpenAIRoutes:
                     yield typed(event)
             except Exception:
                 log.exception("streaming failed (request id %s)", rid)
-                yield typed(answer.event("error", **internal_error(rid).body()["error"]))
+                yield typed(answer.event("error", **responses_error(internal_error(rid))))
 
     @api.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serving import llama as _llama  # noqa: F401  (load order: libllama before numpy)
+from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
 from serving.config import EngineConfig
 from serving.engine import Engine
 

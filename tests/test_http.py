@@ -563,6 +563,20 @@ def test_scripted_stream_cut_by_engine_error_ends_with_error_event_then_done(scr
     assert "error" not in "".join(json.dumps(e) for e in events[:-1])
 
 
+def test_scripted_responses_stream_cut_by_engine_error_ends_with_a_typed_error_event(scripted: Any) -> None:
+    from serving.request import FinishReason, GenerationChunk
+
+    scripted.engine.chunks = [GenerationChunk("Hello", [1]),
+                              GenerationChunk("", [], FinishReason.error, error="llama_decode failed")]
+    resp = scripted.http.post("/v1/responses", json={"input": "Hi", "stream": True})
+    assert resp.status_code == 200
+    last = resp.text.strip().split("\n\n")[-1]
+    assert last.startswith("event: error\n")
+    event = json.loads(last.split("data: ", 1)[1])
+    assert event["type"] == "error" and event["code"] == "generation_failed"
+    assert event["message"] == "llama_decode failed" and isinstance(event["sequence_number"], int)
+
+
 def assert_text(events: list[dict[str, Any]]) -> str:
     return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for e in events for c in e["choices"])
 

@@ -14,10 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from serving import llama as _llama  # noqa: F401  (load order: libllama before numpy)
+from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
 from serving import app as serving_app
 from serving.config import EngineConfig
 from serving.control import CHANNEL_NAME, ConfigFollower
+from serving.ingress import INGRESS_NAME
 from tests.conftest import assert_generated
 
 APP = "two"
@@ -28,11 +29,19 @@ def deployment_of(application):  # Ray Serve's Application keeps the bound Deplo
     return application._bound_deployment
 
 
+def engines_of(application):  # the engine replicas' deployment: the ingress's first argument
+    return deployment_of(deployment_of(application).init_args[0])
+
+
 # -- placement (no Ray needed: building the app only describes it) -----------------------------------
 def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: 2)
     config = EngineConfig(n_parallel=3, n_ctx=3072)
-    d = deployment_of(serving_app.build_app(config, serving_app.ServerOptions(max_queued_requests=17)))
+    ingress = deployment_of(serving_app.build_app(config, serving_app.ServerOptions(max_queued_requests=17)))
+    # the app's front door holds no model and no CPU; it can hold every request the engines can
+    assert ingress.name == INGRESS_NAME and ingress.ray_actor_options["num_cpus"] == 0
+    assert ingress.max_ongoing_requests == 2 * (256 + 17 + 16) + 16
+    d = deployment_of(ingress.init_args[0])
     assert d.name == serving_app.DEPLOYMENT_NAME
     assert d.num_replicas == 2
     assert d.ray_actor_options["num_gpus"] == 1 and d.ray_actor_options["num_cpus"] == 1.0
@@ -47,7 +56,7 @@ def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatc
 
 def test_cpu_fallback_is_one_replica_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: 0)
-    d = deployment_of(serving_app.build_app(EngineConfig(n_parallel=4),
+    d = engines_of(serving_app.build_app(EngineConfig(n_parallel=4),
                                             serving_app.ServerOptions(control_headroom=2, cpus_per_replica=0.5)))
     assert d.num_replicas == 1
     assert "num_gpus" not in d.ray_actor_options and d.ray_actor_options["num_cpus"] == 0.5
@@ -59,7 +68,7 @@ def test_cpu_fallback_is_one_replica_without_gpus(monkeypatch: pytest.MonkeyPatc
 def test_explicit_replica_count_is_respected(monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: gpus)
     for given in (3, "3"):  # `serve run ... num_replicas=3` passes a string
-        d = deployment_of(serving_app.main({"num_replicas": given, "n_parallel": 2, "n_ctx": 2048}))
+        d = engines_of(serving_app.main({"num_replicas": given, "n_parallel": 2, "n_ctx": 2048}))
         assert d.num_replicas == 3 and d.max_ongoing_requests == 256 + 64 + 16
         assert ("num_gpus" in d.ray_actor_options) == (gpus > 0)
 
@@ -69,7 +78,7 @@ def test_serve_limit_does_not_depend_on_the_engine_settings(monkeypatch: pytest.
     engine's queue is the admission control, and Serve's limit stays above anything the engine can hold."""
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: 0)
     options = serving_app.ServerOptions(max_queued_requests=8, control_headroom=3)
-    limits = {deployment_of(serving_app.build_app(EngineConfig(n_parallel=n, n_ctx=256 * n), options))
+    limits = {engines_of(serving_app.build_app(EngineConfig(n_parallel=n, n_ctx=256 * n), options))
               .max_ongoing_requests for n in (1, 4, 64, 256)}
     assert limits == {256 + 8 + 3}
     with pytest.raises(ValueError):  # no config can hold more slots than the limit was built on

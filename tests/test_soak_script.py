@@ -62,12 +62,16 @@ def test_overload_accepts_200_and_openai_503_only() -> None:
     assert soak.judge_overload([outcome(status=503, openai_error=True)])[0] == ["no request succeeded"]
 
 
-def test_kill_judge_tolerates_clean_errors_not_hangs() -> None:
-    clean = [outcome(), outcome(status=500, body="Internal Server Error"),
-             outcome(status=503, openai_error=True, body="{}"),
-             outcome(stream=True, events=2, error="RemoteProtocolError(peer closed)")]
+def test_kill_judge_takes_openai_errors_only() -> None:
+    clean = [outcome(), outcome(status=503, openai_error=True, body="{}"),
+             outcome(stream=True, events=2, error_event="the engine replica stopped", done=True)]
     failures, seen = soak.judge_kill(clean, t_kill=0.0)
-    assert failures == [] and seen["outcomes"]["stream-cut(connection closed)"] == 1
+    assert failures == [] and seen["outcomes"]["stream-cut(error-event, [DONE])"] == 1
+    failures, _ = soak.judge_kill([outcome(status=500, body="Internal Server Error")], t_kill=0.0)
+    assert failures and failures[0].startswith("not OpenAI's error JSON")
+    failures, _ = soak.judge_kill([outcome(stream=True, events=2, error="RemoteProtocolError(peer closed)")],
+                                  t_kill=0.0)
+    assert failures and failures[0].startswith("stream cut without")
     failures, _ = soak.judge_kill([outcome(status=None, error="Timeout(no end within 60 s)")], t_kill=0.0)
     assert failures and failures[0].startswith("hung")
     failures, _ = soak.judge_kill([outcome(status=None, error="ConnectError(refused)")], t_kill=0.0)

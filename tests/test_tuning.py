@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from serving import llama as _llama  # noqa: F401  (load order: libllama before numpy)
+from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
 from serving.config import CacheType, EngineConfig, FlashAttn, embedded_model_path, load_engine_config
 from tuning.memory import GiB, ModelShape, parse_bytes, predict
 from tuning.report import TrialRow, pareto_front, pick

@@ -18,7 +18,7 @@ from typing import Any
 
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic progress table with our columns
 
-from serving import llama as _llama  # noqa: E402,F401  (load order: libllama before numpy)
+from serving import llama as _llama  # noqa: E402,F401  (load order: ray before libllama, see serving/llama.py)
 from serving.config import CacheType, EngineConfig, FlashAttn, load_engine_config  # noqa: E402
 from tuning.device import gpu_memory_total  # noqa: E402
 from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from serving import llama as _llama  # noqa: F401  (load order: libllama before numpy)
+from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
 
 from ray import tune
 

@@ -1,0 +1,136 @@
+"""The app's front door: a light deployment apart from the engine replicas (Ray Serve LLM's ingress /
+engine-host split) that takes every HTTP request.
+
+- `/health` is answered here, from what an engine replica last said (asked every 0.5 s in the background):
+  it answers at once even while the only engine replica is dead or restarting (then 503), where Serve's
+  proxy would hold a request for that replica until a new one exists, and while the engine replica's event
+  loop is busy with a flood of requests.
+- Every other request is refused here when its body is over the limit, else relayed to an engine replica
+  (serving/relay.py), whose own app answers it, API key and CORS included (so refusals carry the CORS
+  headers a browser needs to read them). Serve routes each relayed request to the replica with the fewest
+  ongoing requests, as the proxy did.
+- A lost engine replica is a clean error: 503 with OpenAI's error JSON and Retry-After before the answer
+  started, an error event and `[DONE]` in a stream it cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from serving.api import APIError
+from serving.openai import MAX_BODY_BYTES, error_response, refusal_of, request_id, route_path, too_large
+from serving.relay import PartStream, RelayedRequest, RelayResponse
+
+log = logging.getLogger("serving")
+
+INGRESS_NAME = "OpenAIIngress"
+HEALTH_PATH = "/health"
+ASK_EVERY_S = 0.5    # how often the ingress asks an engine replica how it is
+ASK_DEADLINE_S = 5.0  # an answer later than this counts as none (a replica that is gone, or far too busy)
+STALE_AFTER_S = 3.0  # /health says "unavailable" when no replica has answered for this long
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """An engine replica's answer to /health (serving/app.py's LlamaServer.health_report)."""
+
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+NO_REPLICA = HealthReport(503, {"status": "unavailable", "error": "no engine replica is up; one is starting"},
+                          {"Retry-After": "1"})
+
+
+class HealthWatch:
+    """The engine replicas' health as last heard, kept fresh by a background task: /health reads it without
+    a remote call, so neither a dead replica nor a replica whose event loop is busy with 96 requests can
+    make a poller wait. A replica lost while answering, or none answering for STALE_AFTER_S, reads as
+    NO_REPLICA."""
+
+    def __init__(self, ask: Callable[[], Any], clock: Callable[[], float] = time.monotonic) -> None:
+        self._ask, self._clock = ask, clock
+        self._latest: tuple[HealthReport, float] | None = None
+
+    def report(self) -> HealthReport:
+        if self._latest is None or self._clock() - self._latest[1] > STALE_AFTER_S:
+            return NO_REPLICA
+        return self._latest[0]
+
+    async def run(self) -> None:
+        while True:
+            await self.ask_once()
+            await asyncio.sleep(ASK_EVERY_S)
+
+    async def ask_once(self) -> None:
+        response = self._ask()
+        try:
+            report: HealthReport = await asyncio.wait_for(_result(response), ASK_DEADLINE_S)
+        except TimeoutError:  # nobody answered in time: the report goes stale by itself
+            response.cancel()
+            return
+        except Exception as exc:  # the replica asked was lost while answering
+            log.info("/health: the engine replica was lost (%s)", type(exc).__name__)
+            report = NO_REPLICA
+        self._latest = (report, self._clock())
+
+
+@serve.deployment(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}, health_check_period_s=10)
+class OpenAIIngress:
+    """Takes every HTTP request of the app; holds no model, so it is never the one that is down."""
+
+    async def __init__(self, engines: DeploymentHandle) -> None:  # type: ignore[misc]
+        """Async, as Serve allows: the health watch starts on the replica's own event loop."""
+        self._streaming = engines.options(stream=True)
+        self._health = HealthWatch(engines.health_report.remote)
+        self._watch = asyncio.get_running_loop().create_task(self._health.run(), name="health-watch")
+
+    def check_health(self) -> None:
+        """Serve's liveness probe: an ingress that stopped watching its engines is replaced."""
+        if self._watch.done():
+            raise RuntimeError("the engine health watch stopped")
+
+    def __del__(self) -> None:
+        if hasattr(self, "_watch"):
+            self._watch.cancel()
+
+    async def __call__(self, request: Request) -> Response:
+        scope = request.scope
+        if request.method == "GET" and route_path(scope) == HEALTH_PATH:
+            report = self._health.report()
+            return JSONResponse(report.body, status_code=report.status, headers=report.headers or None)
+        refusal = refusal_of(scope, key=None)  # the key is the engine replica's to check, with CORS
+        if refusal is not None:
+            return error_response(refusal)
+        try:
+            body = await _bounded_body(request)
+        except APIError as err:
+            return error_response(err)
+        parts = self._streaming.forward.remote(RelayedRequest.of(scope, body))
+        return RelayResponse(cast(PartStream, parts), scope["path"], request_id(request.headers))
+
+
+async def _result(response: Any) -> Any:
+    return await response
+
+
+async def _bounded_body(request: Request) -> bytes:
+    """The whole body, refused with a 413 once it passes MAX_BODY_BYTES (whatever Content-Length said)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
