@@ -53,6 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 TUNED_CONFIG = REPO_ROOT / "configs" / "tuned.yaml"
 METRICS_SAMPLE_S = 1.0
+MAX_PART_SPACING_S = 0.25  # a stream's bytes never wait longer than this for company
 LOAD_FAILED = "the model failed to load; the reason is in the server log"
 BINDINGS_VERSION = importlib.metadata.version("llama-cpp-python")
 
@@ -76,9 +77,10 @@ class ServerOptions(BaseModel):
     api_key: str | None = Field(None, description="if set, requests need 'Authorization: Bearer <key>'")
     cors_origins: list[str] = Field(default_factory=list, description="origins browsers may call from "
                                     "(CORS), e.g. ['*'] or 'https://a.example,https://b.example'; none: no CORS")
-    stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="streams: after the first bytes, "
-                                      "at most one relayed part per this many ms (what comes between travels "
-                                      "together); fewer hops cost the decode threads less CPU")
+    stream_interval_ms: float = Field(50.0, ge=0, le=1000, description="streams: after the first bytes, a "
+                                      "replica relays about one part per this many ms over all its streams "
+                                      "(each stream's SSE events in between travel together): fewer hops cost "
+                                      "the decode threads less CPU")
     cpus_per_replica: float = Field(1.0, gt=0)
     config_poll_s: float = Field(1.0, gt=0, description="how often replicas look for a published config")
 
@@ -173,6 +175,7 @@ class LlamaServer(OpenAIRoutes):
         self._closing = False
         self._lock = asyncio.Lock()  # one config change at a time
         self._tasks = BackgroundTasks()
+        self._relays = 0  # requests relayed from the ingress now in flight (their streams share the pace)
         self._follower = ConfigFollower(channel, self._replica, self._apply, self._options.config_poll_s)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -277,8 +280,20 @@ class LlamaServer(OpenAIRoutes):
 
     async def forward(self, request: RelayedRequest) -> AsyncIterator[RelayedPart]:
         """A request the ingress relayed, answered by this replica's own routes (serving/relay.py)."""
-        async for part in run_relayed(self.app, request, self._options.stream_interval_ms / 1000):
-            yield part
+        self._relays += 1
+        try:
+            async for part in run_relayed(self.app, request, self._part_spacing):
+                yield part
+        finally:
+            self._relays -= 1
+
+    def _part_spacing(self) -> float:
+        """Seconds between a stream's relayed parts: `stream_interval_ms` per stream that can be generating
+        (relayed requests, at most one per slot), so this replica's parts per second stay about
+        1000 / stream_interval_ms however many streams share it; never over MAX_PART_SPACING_S."""
+        engine = self._engine
+        generating = min(self._relays, engine.config.n_parallel) if engine is not None else 1
+        return min(self._options.stream_interval_ms / 1000 * max(1, generating), MAX_PART_SPACING_S)
 
     @api.get("/slots", responses=ERROR_RESPONSES)
     async def slots(self) -> dict[str, Any]:

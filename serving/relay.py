@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,13 +72,15 @@ class RelayedPart:
     headers: RawHeaders | None = None
 
 
-async def run_relayed(app: ASGIApp, request: RelayedRequest, interval_s: float = 0.0) -> AsyncIterator[RelayedPart]:
+async def run_relayed(app: ASGIApp, request: RelayedRequest,
+                      spacing: Callable[[], float] = lambda: 0.0) -> AsyncIterator[RelayedPart]:
     """Run `request` through `app`; yield its response in parts, each holding all it sent since the last.
 
     The status is never sent alone: it travels with the first body bytes, so a whole (non-streaming) answer
     is one part and a replica that dies before the body leaves nothing half-sent. After the first part, parts
-    are at least `interval_s` apart (what comes in between travels together): every part costs Python work
-    in two Serve hops that, on a small CPU, preempts the decode threads. When the caller goes away (the
+    are at least `spacing()` seconds apart (asked before each part; what comes in between travels
+    together): every part costs Python work in two Serve hops that, on a small CPU, preempts the decode
+    threads. When the caller goes away (the
     generator is closed or cancelled) the app sees `http.disconnect` and its task is cancelled.
     """
     messages: asyncio.Queue[Message | None] = asyncio.Queue()
@@ -102,7 +104,7 @@ async def run_relayed(app: ASGIApp, request: RelayedRequest, interval_s: float =
     task: asyncio.Task[None] = asyncio.create_task(answer())
     task.add_done_callback(lambda _: messages.put_nowait(None))
     try:
-        async for part in _parts(messages, interval_s):
+        async for part in _parts(messages, spacing):
             yield part
     finally:
         disconnected.set()
@@ -112,8 +114,8 @@ async def run_relayed(app: ASGIApp, request: RelayedRequest, interval_s: float =
             await task
 
 
-async def _parts(messages: asyncio.Queue[Message | None], interval_s: float) -> AsyncIterator[RelayedPart]:
-    """Group the app's ASGI messages: wait for one, then (once started) until `interval_s` has passed since
+async def _parts(messages: asyncio.Queue[Message | None], spacing: Callable[[], float]) -> AsyncIterator[RelayedPart]:
+    """Group the app's ASGI messages: wait for one, then (once started) until `spacing()` has passed since
     the last part, and take every one queued by then."""
     loop = asyncio.get_running_loop()
     status: int | None = None
@@ -121,7 +123,7 @@ async def _parts(messages: asyncio.Queue[Message | None], interval_s: float) -> 
     started, last = False, 0.0
     while True:
         batch = [await messages.get()]
-        wait = last + interval_s - loop.time() if started and batch[0] is not None else 0.0
+        wait = last + spacing() - loop.time() if started and batch[0] is not None else 0.0
         if wait > 0:
             await asyncio.sleep(wait)
         while not messages.empty():

@@ -88,7 +88,7 @@ def test_an_interval_groups_a_streams_events_and_keeps_its_bytes() -> None:
 
     app = Starlette(routes=[Route("/trickle", trickle)])
     plain = asyncio.run(_all(run_relayed(app, _request("/trickle", method="GET"))))
-    grouped = asyncio.run(_all(run_relayed(app, _request("/trickle", method="GET"), interval_s=0.05)))
+    grouped = asyncio.run(_all(run_relayed(app, _request("/trickle", method="GET"), spacing=lambda: 0.05)))
     assert b"".join(p.body for p in grouped) == b"".join(p.body for p in plain)
     assert grouped[0].body == b"data: 0\n\n", "the first bytes are not held back"
     assert len(grouped) <= 5 < len(plain)
