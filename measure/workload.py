@@ -119,9 +119,9 @@ def read(handle: Handle) -> Stream:
 class Runner:
     """Runs the workload on one engine; request numbers keep counting across calls (fresh prefixes)."""
 
-    def __init__(self, workload: Workload) -> None:
+    def __init__(self, workload: Workload, first_request: int = 1) -> None:
         self.workload = workload
-        self._n = 0
+        self._n = first_request - 1
         self._source = source_text() if workload.prompt_set == PromptSet.copy else ""
 
     def prompt(self, engine: Submitter) -> list[int]:

@@ -21,6 +21,7 @@ replica with a backlog (or one draining for a config change) gets less.
 
 
 import asyncio
+import contextlib
 import importlib.metadata
 import logging
 import threading
@@ -46,6 +47,7 @@ from serving.metrics import CONTENT_TYPE, ReplicaMetrics
 from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middleware
 from serving.relay import RelayedPart, RelayedRequest, run_relayed
 from serving.request import SamplingParams
+from serving.trials import Measure, TrialHost
 
 log = logging.getLogger("serving")
 
@@ -83,6 +85,8 @@ class ServerOptions(BaseModel):
                                       "the decode threads less CPU")
     cpus_per_replica: float = Field(1.0, gt=0)
     config_poll_s: float = Field(1.0, gt=0, description="how often replicas look for a published config")
+    tuning_lease_s: float = Field(300.0, gt=0, description="an in-place study whose tuner sent no trial for "
+                                  "this long is over: the replica goes back to its serving config")
 
     @field_validator("cors_origins", mode="before")
     @classmethod
@@ -176,6 +180,8 @@ class LlamaServer(OpenAIRoutes):
         self._lock = asyncio.Lock()  # one config change at a time
         self._tasks = BackgroundTasks()
         self._relays = 0  # requests relayed from the ingress now in flight (their streams share the pace)
+        self._trials = TrialHost(self.ready_engine, self._lock, self._options.max_queued_requests,
+                                 self._options.tuning_lease_s)
         self._follower = ConfigFollower(channel, self._replica, self._apply, self._options.config_poll_s)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -187,6 +193,7 @@ class LlamaServer(OpenAIRoutes):
             self._loader.start()
             self._tasks.start("metrics-sampler", self._sample_metrics())
             self._tasks.start("config-follower", self._follower.run())
+            self._tasks.start("tuning-lease", self._expire_studies())
             return
         await self._apply(config)
 
@@ -203,6 +210,7 @@ class LlamaServer(OpenAIRoutes):
             elif config != self._engine.config:
                 await asyncio.to_thread(self._engine.reconfigure, config)
             self.metrics.model = config.served_name
+            self._trials.finish()  # a published config ends an in-place study: it is the pick, or the old one
 
     def _load(self, config: EngineConfig) -> None:
         try:
@@ -217,6 +225,11 @@ class LlamaServer(OpenAIRoutes):
                 self._engine = engine
         finally:
             self._loaded.set()
+
+    async def _expire_studies(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await self._trials.expire()
 
     async def _sample_metrics(self) -> None:
         while True:
@@ -258,6 +271,22 @@ class LlamaServer(OpenAIRoutes):
                            code="model_loading", headers={"Retry-After": "2"})
         return engine
 
+    @contextlib.asynccontextmanager
+    async def engine_turn(self) -> AsyncIterator[Engine]:
+        """A client request's turn on the engine: it waits while an in-place trial has it."""
+        async with self._trials.client_turn():
+            yield self.ready_engine()
+
+    # -- in-place tuning (tuning/inplace.py calls these through a handle) -----------------------------
+    async def served_config(self) -> dict[str, Any]:
+        """The config this replica serves (outside a study's trials)."""
+        study = self._trials.study
+        return (study.serving if study is not None else self.ready_engine().config).to_yaml_dict()
+
+    async def tune_trial(self, study: str, trials: int, config: dict[str, Any], measure: Measure) -> dict[str, Any]:
+        """A trial of an in-place study, on this replica's engine and weights (serving/trials.py)."""
+        return await self._trials.run_trial(study, trials, EngineConfig(**config), measure)
+
     # -- control routes: they read state only, never take a slot or wait for the engine --------------
     @api.get("/health", responses={503: {"description": "loading, the model failed to load, or no replica is up"}})
     async def health(self) -> JSONResponse:
@@ -298,7 +327,7 @@ class LlamaServer(OpenAIRoutes):
     @api.get("/slots", responses=ERROR_RESPONSES)
     async def slots(self) -> dict[str, Any]:
         """Slots, queue, counters and the running config, like llama-server's /slots plus /props."""
-        return {"replica": self._replica, **self.ready_engine().stats()}
+        return {"replica": self._replica, **self.ready_engine().stats(), "tuning": self._trials.state()}
 
     @api.get("/props", responses=ERROR_RESPONSES)
     async def props(self) -> dict[str, Any]:

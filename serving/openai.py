@@ -349,9 +349,19 @@ class OpenAIRoutes:
     def ready_engine(self) -> Engine:
         raise NotImplementedError
 
+    @contextlib.asynccontextmanager
+    async def engine_turn(self) -> AsyncIterator[Engine]:
+        """The engine, for checking, preparing and submitting one request. A host that lends its engine to
+        other work (in-place tuning trials, serving/trials.py) makes a request wait its turn here."""
+        yield self.ready_engine()
+
     @api.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-        engine = self.ready_engine()
+        async with self.engine_turn() as engine:
+            job = await self._chat_job(engine, body, request)
+        return await self._answer(job, body, request)
+
+    async def _chat_job(self, engine: Engine, body: ChatCompletionRequest, request: Request) -> Job:
         _check_request(engine, body)
         plan = plan_tools(body)
         messages = [m.as_template_dict() for m in body.messages]
@@ -365,12 +375,15 @@ class OpenAIRoutes:
         thinking_open = reasoning and prompt.rstrip().endswith(THINK_START)
         states = [ChoiceState(i, reasoning=reasoning, thinking_open=thinking_open, tools=plan.parse)
                   for i in range(len(handles))]
-        job = Job(handles, states, ChatResponse(engine.config.served_name, engine.token_piece, body.logprobs))
-        return await self._answer(job, body, request)
+        return Job(handles, states, ChatResponse(engine.config.served_name, engine.token_piece, body.logprobs))
 
     @api.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        engine = self.ready_engine()
+        async with self.engine_turn() as engine:
+            job = await self._completion_job(engine, body)
+        return await self._answer(job, body, request)
+
+    async def _completion_job(self, engine: Engine, body: CompletionRequest) -> Job:
         _check_request(engine, body)
         prompts = body.prompts()
         tokenized = [p if isinstance(p, list) else await _off_loop(partial(engine.tokenize_prompt, p))
@@ -389,18 +402,17 @@ class OpenAIRoutes:
             texts = [p if isinstance(p, str) else engine.detokenize(p) for p in prompts]
             echoes = [texts[i // body.n] for i in range(len(handles))]
         response = CompletionResponse(engine.config.served_name, engine.token_piece, body.logprobs is not None)
-        job = Job(handles, [ChoiceState(i) for i in range(len(handles))], response, len(prompts), echoes)
-        return await self._answer(job, body, request)
+        return Job(handles, [ChoiceState(i) for i in range(len(handles))], response, len(prompts), echoes)
 
     @api.post("/v1/responses", responses=ERROR_RESPONSES)
     async def responses(self, body: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses API for text in, text out (streamed as its typed events, or whole)."""
-        engine = self.ready_engine()
-        _check_request(engine, body)
-        messages = body.messages()
-        prompt = await _off_loop(lambda: _render(engine, messages, None, {}, request))
-        tokens = await _off_loop(lambda: engine.tokenize_prompt(prompt))
-        handle = self._submit(engine, tokens, body.sampling_params(), 1, param="input")[0]
+        async with self.engine_turn() as engine:
+            _check_request(engine, body)
+            messages = body.messages()
+            prompt = await _off_loop(lambda: _render(engine, messages, None, {}, request))
+            tokens = await _off_loop(lambda: engine.tokenize_prompt(prompt))
+            handle = self._submit(engine, tokens, body.sampling_params(), 1, param="input")[0]
         answer = ResponsesAnswer(engine.config.served_name, body.model_dump(mode="json"))
         state = ChoiceState(0)
         if body.stream:

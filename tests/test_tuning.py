@@ -23,7 +23,7 @@ SMALL_SPACE = {
     "n_parallel": [1, 2], "n_batch": [256, 512], "n_ubatch": [256], "ctx_per_slot": [1024],
     "type_k": ["f16", "q8_0"], "type_v": ["f16", "q8_0"], "flash_attn": ["on"],
 }
-FAST = ["--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "1024", "--no-apply"]
+FAST = ["--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "1024", "--no-apply", "--offline"]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,8 @@ def test_bad_input_returns_2_with_a_clear_message(ray_session: None, tmp_path: P
                                                   extra: list[str], message: str) -> None:
     from tuning.search import main
 
-    args = ["--trials", "1", "--results-dir", str(tmp_path), "--out", str(tmp_path / "tuned.yaml"), "--no-apply"]
+    args = ["--trials", "1", "--results-dir", str(tmp_path), "--out", str(tmp_path / "tuned.yaml"), "--no-apply",
+            "--offline"]
     t0 = time.monotonic()
     assert main(args + extra) == 2
     assert time.monotonic() - t0 < 60

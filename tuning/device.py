@@ -1,8 +1,9 @@
 """What the device says during a trial: memory in use, clocks, temperature, throttling, other tenants.
 
-On a GPU (NVML): this process's GPU memory, and the state that makes a measurement untrustworthy: clocks
-held down (thermal, power, hardware slowdown) or another process on the same GPU. On CPU: the growth of
-this process's resident memory since just before the engine loaded.
+On a GPU (NVML): this process's GPU memory (in place, the whole device's), and the state that makes a
+measurement untrustworthy: clocks held down (thermal, power, hardware slowdown) or another process on
+the same GPU. On CPU: the growth of this process's resident memory since just before the engine loaded
+(in place, all of it).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def gpu_indices() -> list[int]:
 class DeviceProbe:
     """Reads memory and device state for the current process."""
 
-    def __init__(self, on_gpu: bool) -> None:
-        self.on_gpu = on_gpu
+    def __init__(self, on_gpu: bool, whole_device: bool = False) -> None:
+        self.on_gpu, self.whole_device = on_gpu, whole_device
         self._baseline = 0
         self._nvml: Any = None  # the pynvml module, on a GPU
         if on_gpu:
@@ -47,7 +48,10 @@ class DeviceProbe:
         self._baseline = self._device_used() if self.on_gpu else rss_bytes()
 
     def memory_in_use(self) -> int:
-        """The engine's memory: this process's GPU memory (NVML), else growth over the baseline."""
+        """The engine's memory: this process's GPU memory (NVML), else growth over the baseline; with
+        `whole_device`, all the GPU memory in use (every process's), or this process's resident memory."""
+        if self.whole_device:
+            return self._device_used() if self.on_gpu else rss_bytes()
         if not self.on_gpu:
             return rss_bytes() - self._baseline
         own = self._own_gpu_memory()

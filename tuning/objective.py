@@ -1,20 +1,75 @@
-"""What a trial measures, on serving's own Engine: the shared workload (measure/workload.py) plus quality.
+"""What a trial measures, on serving's own Engine: the shared workload (measure/workload.py) plus memory and
+quality.
 
 Trials differ only in the engine config; the workload (prompts, generation length, greedy, warm-up,
-medians, the TTFT definition) is the one the benchmark scripts run too.
+medians, the TTFT definition) is the one the benchmark scripts run too. `measure_engine` is the whole
+measurement of an engine already running a trial's config, wherever that engine lives: in the tuner's own
+actor (tuning/trial.py), or inside a serving replica (`InPlaceMeasure`, sent there by tuning/inplace.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 from measure.workload import Runner, Speed, Workload
+from serving.config import CacheType
 from serving.engine import Engine
+from tuning.device import DeviceProbe
 
-__all__ = ["Runner", "Speed", "Workload", "quality_tokens"]
+__all__ = ["InPlaceMeasure", "Runner", "Speed", "Workload", "baseline_nll", "measure_engine", "quality_tokens"]
+
+QUALITY_PROBE_CTX = 1024
 
 
 def quality_tokens(engine: Engine) -> list[int]:
     """The shipped quality-probe text, tokenised for this model."""
     text = resources.files("tuning").joinpath("data/quality.txt").read_text(encoding="utf-8")
     return engine.tokenize_prompt(text)
+
+
+def baseline_nll(engine: Engine) -> float:
+    """NLL of the quality text with an f16 K/V cache, the reference for the quality guard; the engine is
+    switched to the reference config for it and back to the config it ran."""
+    config = engine.config
+    reference = config.model_copy(update={
+        "type_k": CacheType.f16, "type_v": CacheType.f16, "n_parallel": 1, "n_ctx": QUALITY_PROBE_CTX,
+    })
+    engine.reconfigure(reference)
+    try:
+        return engine.score(quality_tokens(engine))
+    finally:
+        engine.reconfigure(config)
+
+
+def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline: float | None) -> dict[str, Any]:
+    """Speed, memory and quality of `engine` as it runs now; `baseline` (the f16 NLL) is measured when None."""
+    mem_measured = probe.memory_in_use()
+    speed = runner.measure(engine)
+    nll = engine.score(quality_tokens(engine))
+    reference = baseline_nll(engine) if baseline is None else baseline
+    return {
+        "single_tok_s": speed.single_tok_s, "aggregate_tok_s": speed.aggregate_tok_s,
+        "ttft_ms": speed.ttft_ms, "prefill_tok_s": speed.prefill_tok_s,
+        "nll": nll, "nll_baseline": reference, "nll_delta": nll - reference,
+        "mem_measured": mem_measured, "weight_loads": engine.weight_loads, "weight_load_s": engine.weight_load_s,
+        **probe.state(),
+    }
+
+
+@dataclass(frozen=True)
+class InPlaceMeasure:
+    """A trial's measurement, run inside a serving replica on the engine that serves (pickled there by
+    reference). Memory is the whole device's (weights included): in place there is no "before the engine
+    loaded" to subtract, and the budget is what the device holds."""
+
+    workload: Workload
+    on_gpu: bool
+    first_request: int
+    baseline: float | None = None
+
+    def __call__(self, engine: Engine) -> dict[str, Any]:
+        probe = DeviceProbe(self.on_gpu, whole_device=True)
+        return measure_engine(engine, Runner(self.workload, self.first_request), probe, self.baseline)
+

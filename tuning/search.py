@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic progress table with our columns
+os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")  # Ctrl-C reaches main(): stop, and restore in place
 
 from serving import llama as _llama  # noqa: E402,F401  (load order: ray before libllama, see serving/llama.py)
 from serving.config import CacheType, EngineConfig, FlashAttn, load_engine_config  # noqa: E402
@@ -62,13 +63,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO_ROOT / "configs" / "tuned.yaml", help="where the pick goes")
     p.add_argument("--no-apply", action="store_true", help="only write --out; do not touch a running Serve app")
     p.add_argument("--app-name", help="Serve app to apply to (default: the one running LlamaServer)")
-    p.add_argument("--ray-address", help="Ray cluster to run trials on (default: start a local one)")
+    p.add_argument("--in-place", action="store_true", help="run the trials on the running Serve app's engine "
+                   "replicas (needed when it has one replica: its clients then wait their turn during trials, "
+                   "or get 503 with Retry-After when too many wait); with several replicas this is the default")
+    p.add_argument("--offline", action="store_true", help="run the trials on engines of the tuner's own, even "
+                   "when a Serve app is serving")
+    p.add_argument("--ray-address", help="Ray cluster to run trials on (default: the Serve app's, else start a "
+                   "local one)")
     p.add_argument("--serve-address", default="auto", help="Ray cluster where the Serve app runs")
     args = p.parse_args(argv)
     if args.trials < 1:
         p.error("--trials must be at least 1")
     if args.repeats < 1 or args.gen_tokens < 2:
         p.error("--repeats must be >= 1 and --gen-tokens >= 2")
+    if args.in_place and args.offline:
+        p.error("--in-place and --offline exclude each other")
     return args
 
 
@@ -89,16 +98,57 @@ def start_ray(args: argparse.Namespace) -> tuple[int, int]:
 
     args.started_ray = not ray.is_initialized()
     if args.started_ray:
-        ray.init(address=args.ray_address, logging_level=logging.ERROR, include_dashboard=False)
+        address = args.ray_address
+        if address is None and not args.offline:  # join the cluster a Serve app runs in, if there is one
+            try:
+                ray.init(address=args.serve_address, logging_level=logging.ERROR, log_to_driver=False)
+            except (ConnectionError, RuntimeError):
+                if args.in_place:
+                    raise UserError(f"--in-place: no running Ray cluster at {args.serve_address!r}; start the "
+                                    "app first (serve run serving.app:main)") from None
+        if not ray.is_initialized():
+            ray.init(address=address, logging_level=logging.ERROR, include_dashboard=False)
     total = int(ray.cluster_resources().get("GPU", 0))
     free = int(ray.available_resources().get("GPU", 0))
     return total, free
 
 
-def choose_device(args: argparse.Namespace, total: int, free: int) -> bool:
-    """True for GPU trials. A GPU cluster whose GPUs are all taken is an error, not a silent CPU run."""
+def serving_app(args: argparse.Namespace) -> Any:
+    """The Serve app an in-place study runs on (tuning/inplace.py's ServingApp), or None for offline trials.
+
+    Found: in place when it has several replicas or --in-place says so; with one replica and neither flag,
+    an error that names both (its clients would wait during trials: the operator decides)."""
+    from tuning.inplace import find_serving_app
+
+    if args.offline:
+        return None
+    try:
+        app = find_serving_app(args.app_name)
+    except Exception as exc:  # no Serve in this cluster, or its controller not answering
+        if args.in_place:
+            raise UserError(f"--in-place: cannot reach a Serve app ({type(exc).__name__}: {exc})") from exc
+        return None
+    if app is None:
+        if args.in_place:
+            raise UserError("--in-place: no running Serve app with engine replicas; start one "
+                            "(serve run serving.app:main) or drop --in-place")
+        return None
+    if app.replicas < 1:
+        raise UserError(f"Serve app {app.name!r} has no running engine replica")
+    if app.replicas == 1 and not args.in_place:
+        raise UserError(f"Serve app {app.name!r} is serving on one replica: pass --in-place to run the trials "
+                        "on it (client requests wait their turn during each trial), or --offline to run them "
+                        "on engines of the tuner's own beside it")
+    return app
+
+
+def choose_device(args: argparse.Namespace, total: int, free: int, in_place: bool = False) -> bool:
+    """True for GPU trials. A GPU cluster whose GPUs are all taken is an error, not a silent CPU run
+    (unless the trials run in place, on the replicas that hold them)."""
     if args.device == "cpu":
         return False
+    if in_place:
+        return total > 0
     if total == 0:
         if args.device == "gpu":
             raise UserError("--device gpu, but the Ray cluster has no GPU")
@@ -209,14 +259,21 @@ def open_storage(args: argparse.Namespace) -> Any:
 
 
 def run_study(args: argparse.Namespace, settings: Any, searcher: Any, on_gpu: bool, gpus: int,
-              study_name: str) -> float:
+              study_name: str, app: Any = None) -> float:
     from ray import tune
     from ray.tune import CLIReporter
 
+    from tuning.inplace import ReplicaTrial
     from tuning.trial import EngineTrial
 
-    resources: dict[str, float] = {"gpu": 1, "cpu": 1} if on_gpu else {"cpu": 1}
-    trainable = tune.with_resources(tune.with_parameters(EngineTrial, settings=settings), resources)
+    if app is not None:  # each replica is a trial slot; the actor only talks to it
+        trainable = tune.with_resources(tune.with_parameters(
+            ReplicaTrial, settings=settings, app=app.name, study=study_name, trials=args.trials), {"cpu": 0.01})
+        slots = app.replicas
+    else:
+        resources: dict[str, float] = {"gpu": 1, "cpu": 1} if on_gpu else {"cpu": 1}
+        trainable = tune.with_resources(tune.with_parameters(EngineTrial, settings=settings), resources)
+        slots = max(gpus, 1) if on_gpu else 1
     reporter = CLIReporter(
         parameter_columns=["n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn"],
         metric_columns={"single_tok_s": "single", "aggregate_tok_s": "4-way", "feasible": "ok"},
@@ -225,7 +282,7 @@ def run_study(args: argparse.Namespace, settings: Any, searcher: Any, on_gpu: bo
     tuner = tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(search_alg=searcher, num_samples=args.trials, reuse_actors=True,
-                                    max_concurrent_trials=max(gpus, 1) if on_gpu else 1),
+                                    max_concurrent_trials=slots),
         run_config=tune.RunConfig(name=study_name, storage_path=str((args.results_dir / "ray").resolve()),
                                   stop={"training_iteration": 1}, progress_reporter=reporter, verbose=1),
     )
@@ -261,17 +318,22 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     write_config(args.out, tuned, header=summary)
     print(f"pick: {summary}\nwritten: {args.out}")
     if not args.no_apply:
-        if args.started_ray:  # the Serve app lives in its own cluster: leave ours, join that one
+        if args.started_ray and args.in_place_app is None:  # offline: the app is in another cluster; join it
             import ray
 
             ray.shutdown()
         result = apply_to_serve(tuned, app_name=args.app_name, address=args.serve_address)
         print(f"live apply: {result.message}")
+        args.in_place_settled = result.applied  # else main() gives the replicas back what they served
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     base = base_config(args)
+    total, free = start_ray(args)
+    app = args.in_place_app = serving_app(args)
+    if app is not None:  # the replicas' own model and settings are the study's base
+        base = app.serving
     try:
         shape = ModelShape.from_gguf(base.model_path)
         space = SearchSpace.from_yaml(args.space)
@@ -282,8 +344,7 @@ def run(args: argparse.Namespace) -> int:
         contexts = space.contexts(min_ctx)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    total, free = start_ray(args)
-    on_gpu = choose_device(args, total, free)
+    on_gpu = choose_device(args, total, free, in_place=app is not None)
     budget = budget_bytes(args, on_gpu)
     check_possible(shape, base, space, contexts[0], budget, on_gpu)
     n_layers = layer_search(shape, base, budget, on_gpu, space, contexts[0])
@@ -297,10 +358,13 @@ def run(args: argparse.Namespace) -> int:
                              workload=Workload(gen_tokens=args.gen_tokens, repeats=args.repeats),
                              max_quality_loss=args.max_quality_loss)
     searcher = make_searcher(args, space, contexts, n_layers, baseline, storage, study_name)
-    print(f"tuning {base.model_path.name} on {'GPU' if on_gpu else 'CPU'} ({max(total, 1) if on_gpu else 1} "
-          f"trial(s) at a time), budget {budget / GiB:.2f} GiB, >= {min_ctx} tokens per slot, {args.trials} trials")
-    wall = run_study(args, settings, searcher, on_gpu, total, study_name)
+    where = (f"in place on app {app.name!r} ({app.replicas} replica(s), one trial each at a time)" if app else
+             f"({max(total, 1) if on_gpu else 1} trial(s) at a time)")
+    print(f"tuning {base.model_path.name} on {'GPU' if on_gpu else 'CPU'} {where}, budget {budget / GiB:.2f} GiB, "
+          f">= {min_ctx} tokens per slot, {args.trials} trials")
+    wall = run_study(args, settings, searcher, on_gpu, total, study_name, app)
     context = {"model": base.model_path.name, "device": "GPU" if on_gpu else "CPU",
+               "trials ran": f"in place, on app {app.name!r}" if app else "offline (engines of the tuner's own)",
                "budget": f"{budget / GiB:.2f} GiB", "min context per slot": min_ctx,
                "max quality loss": f"{args.max_quality_loss} nats/token", "sampler": args.sampler,
                "study": study_name, "this run": f"{args.trials} trials in {wall:.0f} s"}
@@ -316,9 +380,19 @@ def _study_has_trials(storage: Any, study_name: str) -> bool:
         return False
 
 
+def restore_serving(args: argparse.Namespace) -> Any:
+    """An in-place study that ends without applying a pick: the replicas get back what they served."""
+    from tuning.writeback import apply_to_serve
+
+    app = args.in_place_app
+    return apply_to_serve(app.serving, app_name=app.name, address=args.serve_address)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.started_ray = False
+    args.in_place_app = None
+    args.in_place_settled = False
     try:
         return run(args)
     except UserError as exc:
@@ -328,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; the study is saved and resumes with the same --study-name", file=sys.stderr)
         return 130
     finally:
+        if args.in_place_app is not None and not args.in_place_settled:  # no pick applied: what they served
+            print(f"restore: {restore_serving(args).message}", file=sys.stderr)
         if args.started_ray:  # leave no Ray of ours behind (a caller's own Ray stays up)
             import ray
 

@@ -17,14 +17,12 @@ from serving import llama as _llama  # noqa: F401  (load order: ray before libll
 
 from ray import tune
 
-from serving.config import CacheType, EngineConfig
+from serving.config import EngineConfig
 from serving.engine import Engine, EngineError
 from tuning.device import DeviceProbe
 from tuning.memory import ModelShape, predict
-from tuning.objective import Runner, Workload, quality_tokens
+from tuning.objective import Runner, Workload, measure_engine
 from tuning.space import to_engine_config
-
-QUALITY_PROBE_CTX = 1024
 
 
 @dataclass(frozen=True)
@@ -39,15 +37,13 @@ class TrialSettings:
     max_quality_loss: float
 
 
-class EngineTrial(tune.Trainable):
-    """Ray Tune trainable measuring one engine config per `step` (a trial is one step)."""
+class ConfigTrial(tune.Trainable):
+    """Ray Tune trainable measuring one engine config per `step` (a trial is one step): what every trial
+    does around the measurement (the memory prediction, configs already measured, the constraints).
+    Subclasses say where the engine is (`_measure`)."""
 
     def setup(self, config: dict[str, Any], settings: TrialSettings) -> None:  # type: ignore[override]
         self.settings = settings
-        self.engine: Engine | None = None
-        self.runner = Runner(settings.workload)
-        self.probe = DeviceProbe(settings.on_gpu)
-        self.baseline_nll: float | None = None
         self.actor = f"{socket.gethostname()}:{os.getpid()}"
         self.measured: dict[EngineConfig, dict[str, Any]] = {}  # what this actor already measured, per config
 
@@ -80,46 +76,7 @@ class EngineTrial(tune.Trainable):
         return {**result, **self._constraints(result["mem_measured"], result["nll_delta"])}
 
     def _measure(self, config: EngineConfig) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        self._use(config)
-        rebuild_s = time.perf_counter() - t0
-        engine = self._engine()
-        mem_measured = self.probe.memory_in_use()
-        speed = self.runner.measure(engine)
-        nll = engine.score(quality_tokens(engine))
-        baseline = self._baseline_nll(config)
-        return {
-            "single_tok_s": speed.single_tok_s, "aggregate_tok_s": speed.aggregate_tok_s,
-            "ttft_ms": speed.ttft_ms, "prefill_tok_s": speed.prefill_tok_s,
-            "nll": nll, "nll_baseline": baseline, "nll_delta": nll - baseline,
-            "mem_measured": mem_measured, "setup_s": rebuild_s,
-            "weight_loads": engine.weight_loads, "weight_load_s": engine.weight_load_s,
-            **self.probe.state(),
-        }
-
-    def _use(self, config: EngineConfig) -> None:
-        if self.engine is None:
-            self.probe.mark_baseline()
-            self.engine = Engine(config)
-        else:
-            self.engine.reconfigure(config)
-
-    def _baseline_nll(self, config: EngineConfig) -> float:
-        """NLL of the quality text with an f16 K/V cache (once per actor), the reference for the guard."""
-        if self.baseline_nll is None:
-            reference = config.model_copy(update={
-                "type_k": CacheType.f16, "type_v": CacheType.f16, "n_parallel": 1, "n_ctx": QUALITY_PROBE_CTX,
-            })
-            engine = self._engine()
-            engine.reconfigure(reference)
-            self.baseline_nll = engine.score(quality_tokens(engine))
-            engine.reconfigure(config)
-        return self.baseline_nll
-
-    def _engine(self) -> Engine:
-        if self.engine is None:
-            raise RuntimeError("no engine: _use() runs first")
-        return self.engine
+        raise NotImplementedError
 
     def _constraints(self, mem: int | None, nll_delta: float | None) -> dict[str, float]:
         """Optuna constraint values: feasible when <= 0. A trial that could not run violates both."""
@@ -135,6 +92,30 @@ class EngineTrial(tune.Trainable):
 
     def load_checkpoint(self, checkpoint: Any) -> None:
         return None
+
+
+class EngineTrial(ConfigTrial):
+    """Trials on an engine of the tuner's own (`--offline`): loaded once per actor, then only the context
+    is rebuilt per trial."""
+
+    def setup(self, config: dict[str, Any], settings: TrialSettings) -> None:  # type: ignore[override]
+        super().setup(config, settings)
+        self.engine: Engine | None = None
+        self.runner = Runner(settings.workload)
+        self.probe = DeviceProbe(settings.on_gpu)
+        self.baseline_nll: float | None = None
+
+    def _measure(self, config: EngineConfig) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        if self.engine is None:
+            self.probe.mark_baseline()
+            self.engine = Engine(config)
+        else:
+            self.engine.reconfigure(config)
+        rebuild_s = time.perf_counter() - t0
+        measured = measure_engine(self.engine, self.runner, self.probe, self.baseline_nll)
+        self.baseline_nll = measured["nll_baseline"]
+        return {**measured, "setup_s": rebuild_s}
 
     def cleanup(self) -> None:
         if self.engine is not None:

@@ -1,0 +1,126 @@
+"""In-place tuning end to end on the shared app (CPU, the embedded model): the trials run on the serving
+replica, its weights load zero extra times, a client streaming throughout loses no request, and the pick
+(or, after Ctrl-C, the old config) is what the replica serves afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
+from serving.config import EngineConfig, load_engine_config
+from tests.conftest import assert_stream_finished, sse_events, wait_idle
+
+SPACE = {"n_parallel": [1, 2], "n_batch": [256, 512], "n_ubatch": [256], "ctx_per_slot": [1024],
+         "type_k": ["f16", "q8_0"], "type_v": ["f16", "q8_0"], "flash_attn": ["on"]}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _slots(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/slots", timeout=30).json()
+
+
+def _args(tmp_path: Path, study: str, trials: int) -> list[str]:
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    return ["--trials", str(trials), "--in-place", "--app-name", "llama", "--space", str(tmp_path / "space.yaml"),
+            "--results-dir", str(tmp_path), "--out", str(tmp_path / "tuned.yaml"), "--study-name", study,
+            "--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "1024"]
+
+
+class StreamingClient:
+    """Streams chat completions back to back on a thread; every one must end normally."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.ok, self.failures = url, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StreamingClient:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=300)
+
+    def _run(self) -> None:
+        body = {"messages": [{"role": "user", "content": "Tell me about gardens."}], "max_tokens": 16,
+                "stream": True}
+        with httpx.Client(timeout=180) as http:
+            while not self._stop.is_set():
+                try:
+                    with http.stream("POST", f"{self.url}/v1/chat/completions", json=body) as resp:
+                        assert resp.status_code == 200, resp.read()
+                        assert_stream_finished(sse_events(resp.iter_lines()))
+                    self.ok += 1
+                except Exception as exc:  # the test reads these: any one fails it
+                    self.failures.append(repr(exc)[:300])
+
+
+@pytest.fixture
+def restored(serve_url: str) -> Iterator[EngineConfig]:
+    """The shared app's config before the test, put back after it (other tests expect it)."""
+    from tuning.writeback import apply_to_serve
+
+    wait_idle(serve_url)
+    before = EngineConfig(**_slots(serve_url)["config"])
+    yield before
+    assert apply_to_serve(before, app_name="llama").applied
+
+
+@pytest.mark.timeout(600)
+def test_an_in_place_study_runs_on_the_replica_and_applies_its_pick(serve_url: str, restored: EngineConfig,
+                                                                    tmp_path: Path) -> None:
+    import optuna
+
+    from tuning.search import main
+
+    loads = _slots(serve_url)["weight_loads"]
+    with StreamingClient(serve_url) as client:
+        assert main(_args(tmp_path, "inplace", 3)) == 0
+    assert client.failures == [] and client.ok > 0
+
+    trials = optuna.load_study(study_name="inplace", storage=f"sqlite:///{tmp_path / 'optuna.db'}").trials
+    assert len(trials) == 3 and all(t.state.name == "COMPLETE" for t in trials)
+    assert all(t.user_attrs["weight_loads"] == loads for t in trials), "no trial loaded the weights again"
+    assert all(t.user_attrs["single_tok_s"] > 0 for t in trials)
+    assert "in place, on app 'llama'" in (tmp_path / "inplace" / "report.md").read_text()
+    after = _slots(serve_url)
+    assert after["weight_loads"] == loads and after["tuning"] is None
+    assert EngineConfig(**after["config"]) == load_engine_config(tmp_path / "tuned.yaml"), "the pick serves"
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_mid_study_restores_the_config_the_replica_served(serve_url: str, restored: EngineConfig,
+                                                                 tmp_path: Path) -> None:
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    tuner = subprocess.Popen([sys.executable, "-m", "tuning.search", *_args(tmp_path, "interrupted", 20),
+                              "--ray-address", address], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while not (_slots(serve_url)["tuning"] or {}).get("in_trial"):
+            assert tuner.poll() is None and time.monotonic() < deadline, "no trial started on the replica"
+            time.sleep(0.2)
+        tuner.send_signal(signal.SIGINT)
+        output, _ = tuner.communicate(timeout=240)
+    finally:
+        if tuner.poll() is None:
+            tuner.kill()
+    assert tuner.returncode == 130, output[-3000:]
+    assert "restore: applied to 1 replica(s)" in output, output[-3000:]
+    after = _slots(serve_url)
+    assert after["tuning"] is None and EngineConfig(**after["config"]) == restored

@@ -1,0 +1,76 @@
+"""In-place studies: the trials run inside the serving replicas, on the engines (and weights) that serve.
+
+On one GPU that is serving, a second engine beside the replica would be a second copy of the weights on
+the card and a measurement competing with live traffic for bandwidth. In place, each replica is a trial
+slot: a trial takes its engine between client requests (serving/trials.py), rebuilds only the context,
+and runs the same measurement as an offline trial (tuning/objective.py's `measure_engine`), with the
+memory of the whole device. The study ends with a config published to every replica: the pick, or, when
+the study is interrupted, the config they served before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+
+from serving.config import EngineConfig
+from serving.control import DEPLOYMENT_NAME
+from tuning.objective import InPlaceMeasure
+from tuning.trial import ConfigTrial, TrialSettings
+
+log = logging.getLogger(__name__)
+
+REQUESTS_PER_TRIAL = 1000  # request numbers each trial's prompts may use (fresh prefixes across trials)
+
+
+@dataclass(frozen=True)
+class ServingApp:
+    """A running Serve app with engine replicas: where an in-place study runs."""
+
+    name: str
+    replicas: int
+    serving: EngineConfig  # what the replicas serve now: the study's base, and what an interruption restores
+
+
+def find_serving_app(app_name: str | None) -> ServingApp | None:
+    """The Serve app (of the connected Ray cluster) whose engine replicas a study can run on, if any."""
+    from ray.serve.schema import ReplicaState
+
+    apps = {name: app for name, app in serve.status().applications.items() if DEPLOYMENT_NAME in app.deployments}
+    if app_name is None and len(apps) == 1:
+        app_name = next(iter(apps))
+    if app_name is None or app_name not in apps:
+        return None
+    replicas = apps[app_name].deployments[DEPLOYMENT_NAME].replica_states.get(ReplicaState.RUNNING, 0)
+    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name)
+    serving = EngineConfig(**handle.served_config.remote().result(timeout_s=120))
+    return ServingApp(app_name, int(replicas), serving)
+
+
+class ReplicaTrial(ConfigTrial):
+    """A trial run by a serving replica: this actor only sends the config and the measurement there."""
+
+    def setup(self, config: dict[str, Any], settings: TrialSettings, app: str,  # type: ignore[override]
+              study: str, trials: int) -> None:
+        super().setup(config, settings)
+        self.handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
+        self.study, self.trials = study, trials
+        self.baseline: float | None = None  # the f16 NLL, measured by the first trial and passed on
+        self.requests = itertools.count(1, REQUESTS_PER_TRIAL)
+
+    def _measure(self, config: EngineConfig) -> dict[str, Any]:
+        from ray.exceptions import RayError
+
+        measure = InPlaceMeasure(self.settings.workload, self.settings.on_gpu, next(self.requests), self.baseline)
+        try:
+            result: dict[str, Any] = self.handle.tune_trial.remote(
+                self.study, self.trials, config.to_yaml_dict(), measure).result()
+        except RayError as exc:  # the replica could not run it (a config that does not build, a lost replica)
+            raise RuntimeError(f"the replica could not run this trial: {exc}") from exc
+        self.baseline = result["nll_baseline"]
+        result.pop("serving_config", None)
+        return result
