@@ -100,7 +100,7 @@ def test_tight_budget_rejects_big_contexts_without_loading(ray_session: None, tm
     assert main(["--trials", "6", "--vram-budget", str(budget), *tuner_args(tmp_path, space)]) == 0
 
     trials = load_trials(tmp_path)
-    assert len(trials) == 6
+    assert len([t for t in trials if "answered_from" not in t.user_attrs]) == 6, "Tune ran 6 trials"
     rejected = [t for t in trials if t.user_attrs["rejected"]]
     ran = [t for t in trials if not t.user_attrs["rejected"]]
     assert rejected and ran, "the seeded sampler should propose both kinds of point"
@@ -459,3 +459,37 @@ def test_a_config_already_measured_is_answered_without_measuring_again() -> None
     assert len(calls) == 1
     assert [r.get("reused", False) for r in results] == [False, True, True]
     assert all(r["single_tok_s"] == 10.0 for r in results)
+
+
+def test_a_proposal_the_study_already_measured_is_answered_from_it_not_run() -> None:
+    """n_ubatch 512 with n_batch 256 is the engine of n_ubatch 256: once one is measured, the sampler's
+    proposal of the other is told the measured values at once and Tune gets a config not measured yet."""
+    from functools import partial
+
+    import optuna
+
+    from tuning.recording import RecordingOptunaSearch
+    from tuning.space import SpaceFunction
+
+    space = SearchSpace(n_parallel=[1], n_batch=[256, 512], n_ubatch=[256, 512], ctx_per_slot=[1024],
+                        type_k=["f16"], type_v=["f16"], flash_attn=["on"])
+    canonical = partial(to_engine_config, base=EngineConfig())
+    searcher = RecordingOptunaSearch(
+        space=SpaceFunction(space, [1024], None), metric=["single_tok_s", "aggregate_tok_s"], mode=["max", "max"],
+        sampler=optuna.samplers.RandomSampler(seed=3), study_name="dedup", storage=optuna.storages.InMemoryStorage(),
+        recorded=("single_tok_s", "aggregate_tok_s"), first_is_baseline=False, canonical=canonical)
+    ran = []
+    for i in range(3):
+        params = searcher.suggest(f"t{i}")
+        assert params is not None
+        ran.append(canonical(params))
+        searcher.on_trial_complete(f"t{i}", result={"single_tok_s": 10.0 + i, "aggregate_tok_s": 20.0 + i,
+                                                   "params": params})
+    assert len(set(ran)) == 3, "every run trial measured an engine not measured before"
+    trials = searcher._ot_study.get_trials()
+    answered = [t for t in trials if "answered_from" in t.user_attrs]
+    assert answered, "the sampler proposed a twin (n_batch 256, n_ubatch 512) at least once with this seed"
+    for t in answered:
+        twin = trials[t.user_attrs["answered_from"]]
+        assert canonical(t.user_attrs["params"]) == canonical(twin.user_attrs["params"])
+        assert t.values == twin.values and t.state.name == "COMPLETE"

@@ -1,24 +1,66 @@
-"""OptunaSearch that stores each trial's measurements in the Optuna study before telling it the result.
+"""OptunaSearch that stores each trial's measurements in the Optuna study before telling it the result, and
+answers from the study a proposal it already measured.
 
 Ray Tune's OptunaSearch tells Optuna only the objective values. The constraint function (memory and quality
 feasibility) and the report need the rest of what a trial measured, so it is written to the trial's user
 attributes first; the study's storage then holds everything, and a resumed study reports all of it.
+
+Different parameters can make the same engine (an n_ubatch above n_batch is clamped to it): on the H200 a
+40-trial study measured only 24 distinct configs. A proposal whose engine config a completed trial of the
+study already measured is told that trial's results at once (marked `answered_from`), and the sampler is
+asked again, so Ray Tune's trials go to configs not yet measured and the sampler still learns the point.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from ray.tune.search.optuna import OptunaSearch
+
+MAX_ANSWERED = 10  # proposals answered from the study per suggestion before one runs anyway (a small space)
 
 
 class RecordingOptunaSearch(OptunaSearch):
     """OptunaSearch plus user attributes: `recorded` result keys, the params, and the baseline mark."""
 
-    def __init__(self, *args: Any, recorded: tuple[str, ...], first_is_baseline: bool, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, recorded: tuple[str, ...], first_is_baseline: bool,
+                 canonical: Callable[[dict[str, Any]], Hashable], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._recorded = recorded
         self._first_is_baseline = first_is_baseline
+        self._canonical = canonical  # params -> the engine they make (tuning.space.to_engine_config)
+
+    def suggest(self, trial_id: str) -> dict | None:
+        """The sampler's next proposal whose engine the study has not measured yet."""
+        params = super().suggest(trial_id)
+        for _ in range(MAX_ANSWERED):
+            twin = self._measured_twin(params) if params is not None else None
+            if twin is None:
+                break
+            self._answer(self._ot_trials.pop(trial_id), params or {}, twin)
+            params = super().suggest(trial_id)
+        return params
+
+    def _measured_twin(self, params: dict[str, Any]) -> Any:
+        from optuna.trial import TrialState
+
+        key = self._canonical(params)
+        study: Any = self._ot_study  # set by OptunaSearch's setup before any suggestion
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            measured = trial.user_attrs.get("params")
+            if measured and "answered_from" not in trial.user_attrs and self._canonical(measured) == key:
+                return trial
+        return None
+
+    def _answer(self, ot_trial: Any, params: dict[str, Any], twin: Any) -> None:
+        for key, value in twin.user_attrs.items():
+            ot_trial.set_user_attr(key, value)
+        ot_trial.set_user_attr("params", dict(params))
+        ot_trial.set_user_attr("is_baseline", False)
+        ot_trial.set_user_attr("answered_from", twin.number)
+        study: Any = self._ot_study
+        study.tell(ot_trial, twin.values)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         ot_trial = self._ot_trials.get(trial_id)

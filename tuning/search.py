@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from functools import partial
 import os
 import sys
 import time
@@ -231,7 +232,7 @@ def make_sampler(name: str, seed: int) -> Any:
 
 
 def make_searcher(args: argparse.Namespace, space: SearchSpace, contexts: list[int], n_layers: int | None,
-                  baseline: dict[str, Any] | None, storage: Any, study_name: str) -> Any:
+                  baseline: dict[str, Any] | None, storage: Any, study_name: str, base: EngineConfig) -> Any:
     from tuning.recording import RecordingOptunaSearch
 
     return RecordingOptunaSearch(
@@ -239,7 +240,7 @@ def make_searcher(args: argparse.Namespace, space: SearchSpace, contexts: list[i
         metric=OBJECTIVES, mode=["max", "max"],
         points_to_evaluate=[baseline] if baseline else None,
         sampler=make_sampler(args.sampler, args.seed), study_name=study_name, storage=storage, seed=args.seed,
-        recorded=RECORDED, first_is_baseline=baseline is not None,
+        recorded=RECORDED, first_is_baseline=baseline is not None, canonical=partial(to_engine_config, base=base),
     )
 
 
@@ -304,8 +305,12 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     out_dir.mkdir(parents=True, exist_ok=True)
     report.plot(rows, winner, out_dir / "pareto.png")
     loads, load_s = report.weight_loads(rows)
-    context = {**context, "trials in study": len(rows), "weight loads (all actors)": loads,
-               "time loading weights": f"{load_s:.1f} s"}
+    answered = sum(1 for r in rows if "answered_from" in r.attrs)
+    loads_label = ("weight loads (the serving replicas' totals, their own start-up included)"
+                   if args.in_place_app is not None else "weight loads (all actors)")
+    context = {**context, "trials in study": len(rows),
+               "answered from an earlier trial of the same engine config": answered,
+               loads_label: loads, "time loading weights": f"{load_s:.1f} s"}
     (out_dir / "report.md").write_text(report.markdown(rows, winner, args.prefer, context, "pareto.png"))
     print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
     if winner is None:
@@ -357,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
     settings = TrialSettings(base=base, shape=shape, budget_bytes=budget, on_gpu=on_gpu,
                              workload=Workload(gen_tokens=args.gen_tokens, repeats=args.repeats),
                              max_quality_loss=args.max_quality_loss)
-    searcher = make_searcher(args, space, contexts, n_layers, baseline, storage, study_name)
+    searcher = make_searcher(args, space, contexts, n_layers, baseline, storage, study_name, base)
     where = (f"in place on app {app.name!r} ({app.replicas} replica(s), one trial each at a time)" if app else
              f"({max(total, 1) if on_gpu else 1} trial(s) at a time)")
     print(f"tuning {base.model_path.name} on {'GPU' if on_gpu else 'CPU'} {where}, budget {budget / GiB:.2f} GiB, "
