@@ -56,12 +56,16 @@ NO_REPLICA = HealthReport(503, {"status": "unavailable", "error": "no engine rep
 class HealthWatch:
     """The engine replicas' health as last heard, kept fresh by a background task: /health reads it without
     a remote call, so neither a dead replica nor a replica whose event loop is busy with 96 requests can
-    make a poller wait. A replica lost while answering, or none answering for STALE_AFTER_S, reads as
-    NO_REPLICA."""
+    make a poller wait. A replica lost while answering (this watch's question, or a relayed request), or
+    none answering for STALE_AFTER_S, reads as NO_REPLICA until a replica answers again."""
 
     def __init__(self, ask: Callable[[], Any], clock: Callable[[], float] = time.monotonic) -> None:
         self._ask, self._clock = ask, clock
         self._latest: tuple[HealthReport, float] | None = None
+
+    def lost(self) -> None:
+        """A relayed request saw its replica die: /health says so now, not at the next answer."""
+        self._latest = (NO_REPLICA, self._clock())
 
     def report(self) -> HealthReport:
         if self._latest is None or self._clock() - self._latest[1] > STALE_AFTER_S:
@@ -118,7 +122,7 @@ class OpenAIIngress:
         except APIError as err:
             return error_response(err)
         parts = self._streaming.forward.remote(RelayedRequest.of(scope, body))
-        return RelayResponse(cast(PartStream, parts), scope["path"], request_id(request.headers))
+        return RelayResponse(cast(PartStream, parts), scope["path"], request_id(request.headers), self._health.lost)
 
 
 async def _result(response: Any) -> Any:

@@ -33,6 +33,7 @@ log = logging.getLogger("serving")
 RawHeaders = list[tuple[bytes, bytes]]
 EVENT_STREAM = "text/event-stream"
 RESPONSES_PATH = "/v1/responses"
+REPLICA_LOST = "replica_unavailable"
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,9 @@ class PartStream(Protocol):
 class RelayResponse(Response):
     """Replays an engine replica's `RelayedPart`s to the client, and ends what a lost replica cut cleanly."""
 
-    def __init__(self, parts: PartStream, path: str, rid: str) -> None:
+    def __init__(self, parts: PartStream, path: str, rid: str, on_lost: Callable[[], None] = lambda: None) -> None:
         super().__init__()
-        self._parts, self._path, self._rid = parts, path, rid
+        self._parts, self._path, self._rid, self._on_lost = parts, path, rid, on_lost
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = streaming = False
@@ -178,6 +179,8 @@ class RelayResponse(Response):
             raise
         except Exception as exc:  # the replica was lost, or Serve refused the request
             err = relay_error(exc, self._rid)
+            if err.code == REPLICA_LOST:
+                self._on_lost()
             if not started:
                 await error_response(err)(scope, receive, send)
             else:
@@ -203,7 +206,7 @@ def relay_error(exc: Exception, rid: str) -> APIError:
     if isinstance(exc, RayActorError | ActorUnavailableError):
         log.warning("request %s: its engine replica was lost (%s)", rid, type(exc).__name__)
         return APIError(503, "the engine replica serving this request stopped; retry shortly",
-                        type_="server_error", code="replica_unavailable", headers={"Retry-After": "1"})
+                        type_="server_error", code=REPLICA_LOST, headers={"Retry-After": "1"})
     log.error("relaying request %s failed", rid, exc_info=exc)
     return internal_error(rid)
 

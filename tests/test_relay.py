@@ -135,9 +135,11 @@ class Parts:
         self.cancelled = True
 
 
-def _replay(parts: list[RelayedPart], failure: Exception | None, path: str = "/v1/chat/completions") -> httpx.Response:
+def _replay(parts: list[RelayedPart], failure: Exception | None, path: str = "/v1/chat/completions",
+            lost: list[str] | None = None) -> httpx.Response:
     async def endpoint(_: Request) -> Response:
-        return RelayResponse(Parts(parts, failure), path, "rid-2")
+        sink = lost if lost is not None else []
+        return RelayResponse(Parts(parts, failure), path, "rid-2", lambda: sink.append("lost"))
 
     async def go() -> httpx.Response:
         app = Starlette(routes=[Route(path, endpoint, methods=["POST"])])
@@ -157,9 +159,12 @@ def test_replayed_parts_reach_the_client_unchanged() -> None:
 
 
 def test_a_replica_lost_before_answering_is_a_503_with_openai_json() -> None:
-    r = _replay([], ActorDiedError())
+    lost: list[str] = []
+    r = _replay([], ActorDiedError(), lost=lost)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "replica_unavailable"
+    assert lost == ["lost"], "the ingress's /health hears of it at once"
+    assert _replay([], RuntimeError("bug"), lost=lost).status_code == 500 and lost == ["lost"]
 
 
 def test_a_full_serve_queue_is_a_503_overloaded() -> None:
@@ -259,3 +264,8 @@ def test_health_is_what_a_replica_last_said_until_it_goes_stale(monkeypatch: pyt
     now[0] = 100.0
     asyncio.run(watch.ask_once())  # the replica was lost while answering: unavailable at once
     assert watch.report() == NO_REPLICA and NO_REPLICA.status == 503
+    answers.append(Asked(ok))
+    asyncio.run(watch.ask_once())
+    assert watch.report() == ok
+    watch.lost()  # a relayed request saw the replica die
+    assert watch.report() == NO_REPLICA
