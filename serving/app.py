@@ -22,7 +22,6 @@ replica with a backlog (or one draining for a config change) gets less.
 
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
 import threading
 from dataclasses import asdict
@@ -30,7 +29,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
+from serving import llama as _llama  # load order: ray before libllama, see serving/llama.py
 
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -57,7 +56,6 @@ TUNED_CONFIG = REPO_ROOT / "configs" / "tuned.yaml"
 METRICS_SAMPLE_S = 1.0
 MAX_PART_SPACING_S = 0.25  # a stream's bytes never wait longer than this for company
 LOAD_FAILED = "the model failed to load; the reason is in the server log"
-BINDINGS_VERSION = importlib.metadata.version("llama-cpp-python")
 
 
 def _n_parallel_limit() -> int:
@@ -338,7 +336,7 @@ class LlamaServer(OpenAIRoutes):
             "default_generation_settings": {"n_ctx": engine.n_ctx_slot, "params": asdict(SamplingParams())},
             "total_slots": config.n_parallel, "model_path": str(config.model_path), "model_alias": config.served_name,
             "chat_template": engine.chat_template.source, "n_vocab": engine.n_vocab, "n_ctx_train": engine.n_ctx_train,
-            "config": config.to_yaml_dict(), "build_info": f"llama-cpp-python {BINDINGS_VERSION}",
+            "config": config.to_yaml_dict(), "build_info": f"llama-cpp-python {_llama.BINDINGS_VERSION}",
         }
 
     @api.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})

@@ -103,7 +103,8 @@ class TrialHost:
             current = self.study
             if current is None or current.name != study:
                 current = self.study = Study(study, current.serving if current else engine.config, trials)
-            current.trial, current.in_trial, current.last_activity = current.trial + 1, True, self._clock()
+            current.trial, current.trials = current.trial + 1, max(trials, current.trial + 1)
+            current.in_trial, current.last_activity = True, self._clock()
             try:
                 await self._idle(engine)
                 t0 = time.perf_counter()

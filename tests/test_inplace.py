@@ -87,8 +87,8 @@ def test_an_in_place_study_runs_on_the_replica_and_applies_its_pick(serve_url: s
     from tuning.search import main
 
     loads = _slots(serve_url)["weight_loads"]
-    with StreamingClient(serve_url) as client:
-        assert main(_args(tmp_path, "inplace", 3)) == 0
+    with StreamingClient(serve_url) as client:  # the replica's model is the base: --model is not read in place
+        assert main([*_args(tmp_path, "inplace", 3), "--model", "/nonexistent.gguf"]) == 0
     assert client.failures == [] and client.ok > 0
 
     trials = optuna.load_study(study_name="inplace", storage=f"sqlite:///{tmp_path / 'optuna.db'}").trials
@@ -99,6 +99,27 @@ def test_an_in_place_study_runs_on_the_replica_and_applies_its_pick(serve_url: s
     after = _slots(serve_url)
     assert after["weight_loads"] == loads and after["tuning"] is None
     assert EngineConfig(**after["config"]) == load_engine_config(tmp_path / "tuned.yaml"), "the pick serves"
+
+
+@pytest.mark.timeout(300)
+def test_the_confirmation_round_measures_on_the_replica(serve_url: str, restored: EngineConfig) -> None:
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from tuning.confirm import Candidate
+    from tuning.inplace import ServingApp
+    from tuning.objective import Workload
+    from tuning.search import confirmation_measure
+
+    loads = _slots(serve_url)["weight_loads"]
+    args = Namespace(in_place_app=ServingApp("llama", 1, restored), trials=1, confirm_rounds=1)
+    settings = SimpleNamespace(workload=Workload(gen_tokens=8, repeats=1), on_gpu=False)
+    config = restored.model_copy(update={"n_parallel": 2, "n_ctx": 2048})
+    with StreamingClient(serve_url) as client:
+        with confirmation_measure(args, settings, "confirming", [Candidate(0, "a", config)]) as measure:
+            speed = measure(config)
+    assert speed.single_tok_s > 0 and speed.aggregate_tok_s > 0
+    assert client.failures == [] and _slots(serve_url)["weight_loads"] == loads
 
 
 @pytest.mark.timeout(600)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
-from serving.config import CacheType, EngineConfig, FlashAttn, embedded_model_path, load_engine_config
+from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, embedded_model_path, load_engine_config
 from tuning.memory import GiB, ModelShape, parse_bytes, predict
 from tuning.report import TrialRow, pareto_front, pick
 from tuning.space import SearchSpace, suggest, to_engine_config
@@ -493,3 +493,32 @@ def test_a_proposal_the_study_already_measured_is_answered_from_it_not_run() -> 
         twin = trials[t.user_attrs["answered_from"]]
         assert canonical(t.user_attrs["params"]) == canonical(twin.user_attrs["params"])
         assert t.values == twin.values and t.state.name == "COMPLETE"
+
+
+@pytest.mark.timeout(300)
+def test_offline_confirmation_measures_on_an_engine_of_its_own(ray_session: None) -> None:
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from tuning.confirm import Candidate
+    from tuning.objective import Workload
+    from tuning.search import confirmation_measure
+
+    args = Namespace(in_place_app=None, trials=1, confirm_rounds=1)
+    settings = SimpleNamespace(workload=Workload(gen_tokens=8, repeats=1), on_gpu=False)
+    configs = [EngineConfig(n_parallel=1, n_ctx=1024), EngineConfig(n_parallel=2, n_ctx=2048)]
+    with confirmation_measure(args, settings, "s", [Candidate(0, "a", configs[0])]) as measure:
+        speeds = [measure(c) for c in configs]
+    assert all(s.single_tok_s > 0 and s.aggregate_tok_s > 0 for s in speeds)
+
+
+def test_speculation_is_searched_only_when_the_space_lists_it(tmp_path: Path) -> None:
+    import optuna
+
+    plain = SearchSpace.from_yaml(write_space(tmp_path / "a.yaml", SMALL_SPACE))
+    spec = SearchSpace.from_yaml(write_space(tmp_path / "b.yaml", {**SMALL_SPACE, "spec_mode": [False, "ngram"]}))
+    assert plain.spec_mode == [SpecMode.off] and spec.spec_mode == [SpecMode.off, SpecMode.ngram]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    assert "spec_mode" not in suggest(study.ask(), plain, [1024], None)
+    modes = {to_engine_config(suggest(study.ask(), spec, [1024], None), EngineConfig()).spec_mode for _ in range(12)}
+    assert modes == {SpecMode.off, SpecMode.ngram}

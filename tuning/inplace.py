@@ -74,3 +74,11 @@ class ReplicaTrial(ConfigTrial):
         self.baseline = result["nll_baseline"]
         result.pop("serving_config", None)
         return result
+
+
+def replica_speed(app: str, study: str, trials: int, config: EngineConfig, measure: Any) -> dict[str, Any]:
+    """One speed measurement of `config` on a serving replica, as a trial of the study (its turn, its
+    context rebuilt), for the confirmation round."""
+    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
+    result: dict[str, Any] = handle.tune_trial.remote(study, trials, config.to_yaml_dict(), measure).result()
+    return result

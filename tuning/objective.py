@@ -9,7 +9,7 @@ actor (tuning/trial.py), or inside a serving replica (`InPlaceMeasure`, sent the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
@@ -18,7 +18,8 @@ from serving.config import CacheType
 from serving.engine import Engine
 from tuning.device import DeviceProbe
 
-__all__ = ["InPlaceMeasure", "Runner", "Speed", "Workload", "baseline_nll", "measure_engine", "quality_tokens"]
+__all__ = ["InPlaceMeasure", "Runner", "Speed", "SpeedMeasure", "Workload", "baseline_nll", "measure_engine",
+           "quality_tokens"]
 
 QUALITY_PROBE_CTX = 1024
 
@@ -73,3 +74,15 @@ class InPlaceMeasure:
         probe = DeviceProbe(self.on_gpu, whole_device=True)
         return measure_engine(engine, Runner(self.workload, self.first_request), probe, self.baseline)
 
+
+
+@dataclass(frozen=True)
+class SpeedMeasure:
+    """The workload's speed alone (no memory, no quality), for the confirmation round (tuning/confirm.py);
+    like InPlaceMeasure it can run inside a serving replica."""
+
+    workload: Workload
+    first_request: int
+
+    def __call__(self, engine: Engine) -> dict[str, Any]:
+        return asdict(Runner(self.workload, self.first_request).measure(engine))

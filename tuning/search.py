@@ -9,7 +9,9 @@ context is rebuilt), and the pick is written to configs/tuned.yaml and pushed to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from functools import partial
 import os
 import sys
@@ -24,6 +26,7 @@ from serving import llama as _llama  # noqa: E402,F401  (load order: ray before 
 from serving.config import CacheType, EngineConfig, FlashAttn, load_engine_config  # noqa: E402
 from tuning.device import gpu_memory_total  # noqa: E402
 from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
+from measure.workload import PromptSet  # noqa: E402
 from tuning.objective import Workload  # noqa: E402
 from tuning.space import SearchSpace, SpaceFunction, to_engine_config  # noqa: E402
 
@@ -53,10 +56,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefer", choices=["balanced", "single", "aggregate"], default="balanced",
                    help="how to pick from the Pareto front (default balanced: best 4-way aggregate within 5%% "
                         "of the best single stream)")
+    p.add_argument("--confirm-rounds", type=int, default=3, help="after the search, measure the best "
+                   "--confirm-top configs and the baseline this many more times, interleaved, and pick on paired "
+                   "ratios (default 3; 0 = pick on the search's single measurements)")
+    p.add_argument("--confirm-top", type=int, default=3, help="configs of the Pareto front to confirm (default 3)")
     p.add_argument("--sampler", choices=["tpe", "nsga2", "random"], default="tpe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per measured request")
     p.add_argument("--repeats", type=int, default=3, help="measured repeats per workload (median kept)")
+    p.add_argument("--prompt-set", choices=[s.value for s in PromptSet], default="plain",
+                   help="the workload's prompts: plain (free writing, EOS ignored) or copy (edit code, quote a text: "
+                        "where speculation's prompt lookup pays; stops at EOS)")
     p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     p.add_argument("--storage", help="Optuna storage URL (default sqlite:///results/optuna.db)")
     p.add_argument("--study-name", help="default: <model>-<device>-<budget>; an existing study is resumed")
@@ -66,7 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--app-name", help="Serve app to apply to (default: the one running LlamaServer)")
     p.add_argument("--in-place", action="store_true", help="run the trials on the running Serve app's engine "
                    "replicas (needed when it has one replica: its clients then wait their turn during trials, "
-                   "or get 503 with Retry-After when too many wait); with several replicas this is the default")
+                   "or get 503 with Retry-After when too many wait); with several replicas this is the default. The "
+                   "replicas' own model and settings are the base: --model and --base-config are not used")
     p.add_argument("--offline", action="store_true", help="run the trials on engines of the tuner's own, even "
                    "when a Serve app is serving")
     p.add_argument("--ray-address", help="Ray cluster to run trials on (default: the Serve app's, else start a "
@@ -77,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--trials must be at least 1")
     if args.repeats < 1 or args.gen_tokens < 2:
         p.error("--repeats must be >= 1 and --gen-tokens >= 2")
+    if args.confirm_rounds < 0 or args.confirm_top < 1:
+        p.error("--confirm-rounds must be >= 0 and --confirm-top >= 1")
     if args.in_place and args.offline:
         p.error("--in-place and --offline exclude each other")
     return args
@@ -292,7 +305,8 @@ def run_study(args: argparse.Namespace, settings: Any, searcher: Any, on_gpu: bo
     return time.perf_counter() - t0
 
 
-def finish(args: argparse.Namespace, storage: Any, study_name: str, base: EngineConfig, context: dict[str, Any]) -> int:
+def finish(args: argparse.Namespace, storage: Any, study_name: str, base: EngineConfig, context: dict[str, Any],
+           settings: Any) -> int:
     import optuna
 
     from tuning import report
@@ -303,6 +317,9 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     winner = report.pick(rows, args.prefer)
     out_dir = args.results_dir / study_name
     out_dir.mkdir(parents=True, exist_ok=True)
+    confirmation = ""
+    if winner is not None and args.confirm_rounds > 0:
+        winner, confirmation = confirm_pick(args, rows, winner, base, settings, study_name)
     report.plot(rows, winner, out_dir / "pareto.png")
     loads, load_s = report.weight_loads(rows)
     answered = sum(1 for r in rows if "answered_from" in r.attrs)
@@ -311,7 +328,9 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     context = {**context, "trials in study": len(rows),
                "answered from an earlier trial of the same engine config": answered,
                loads_label: loads, "time loading weights": f"{load_s:.1f} s"}
-    (out_dir / "report.md").write_text(report.markdown(rows, winner, args.prefer, context, "pareto.png"))
+    text = report.markdown(rows, winner, args.prefer, context, "pareto.png")
+    (out_dir / "report.md").write_text(text.replace("\n## Pareto front", f"\n{confirmation}\n## Pareto front", 1)
+                                       if confirmation else text)
     print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
     if winner is None:
         print("no feasible trial: nothing written; widen the space or the budget", file=sys.stderr)
@@ -333,12 +352,77 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     return 0
 
 
+def confirm_pick(args: argparse.Namespace, rows: list[Any], winner: Any, base: EngineConfig, settings: Any,
+                 study_name: str) -> tuple[Any, str]:
+    """The search's best few and the baseline measured again, interleaved (tuning/confirm.py): the pick on
+    paired ratios, and the report's section on it."""
+    from tuning import confirm, report
+
+    ranked = sorted(report.pareto_front(rows), key=lambda r: (r.aggregate, r.single), reverse=True)
+    if args.prefer == "single":
+        ranked.sort(key=lambda r: (r.single, r.aggregate), reverse=True)
+    chosen = [winner] + [r for r in ranked if r is not winner][:args.confirm_top - 1]
+    baseline = next((r for r in rows if r.is_baseline and r.single > 0), None)
+    if baseline is not None and baseline not in chosen:
+        chosen.append(baseline)
+    if len(chosen) < 2:
+        return winner, ""
+    candidates = [confirm.Candidate(r.number, r.label(), to_engine_config(r.params, base), r is baseline)
+                  for r in chosen]
+    reference = len(candidates) - 1 if baseline is not None else 0
+    print(f"confirmation: {len(candidates)} candidates x {args.confirm_rounds} rounds, interleaved")
+    with confirmation_measure(args, settings, study_name, candidates) as measure:
+        confirmed = confirm.confirm(candidates, reference, args.confirm_rounds, measure, progress=print)
+    verdict = confirm.decide(confirmed, args.prefer)
+    noise = " (within noise)" if verdict.within_noise else ""
+    print(f"confirmed pick: trial {verdict.pick.candidate.number}{noise}")
+    picked = next(r for r in rows if r.number == verdict.pick.candidate.number)
+    return picked, confirm.markdown(confirmed, verdict, candidates[reference], args.confirm_rounds)
+
+
+@contextlib.contextmanager
+def confirmation_measure(args: argparse.Namespace, settings: Any, study_name: str,
+                         candidates: list[Any]) -> Iterator[Callable[[EngineConfig], Any]]:
+    """`config -> Speed` for the confirmation round: on a serving replica in place, else on one engine of
+    our own in a Ray actor (one more weight load)."""
+    import itertools
+
+    from measure.workload import Speed
+    from tuning.objective import SpeedMeasure
+
+    requests = itertools.count(10**6, 1000)  # request numbers apart from the trials'
+    app = args.in_place_app
+    if app is not None:
+        from tuning.inplace import replica_speed
+
+        total = args.trials + args.confirm_rounds * len(candidates)
+        yield lambda config: Speed(**_speed_fields(replica_speed(
+            app.name, study_name, total, config, SpeedMeasure(settings.workload, next(requests)))))
+        return
+    import ray
+
+    from tuning.trial import ConfirmEngine
+
+    resources = {"num_gpus": 1, "num_cpus": 1} if settings.on_gpu else {"num_cpus": 1}
+    actor: Any = ray.remote(ConfirmEngine).options(**resources).remote(candidates[0].config)
+    try:
+        yield lambda config: Speed(**_speed_fields(ray.get(actor.measure.remote(
+            config, SpeedMeasure(settings.workload, next(requests))))))
+    finally:
+        ray.get(actor.close.remote())
+        ray.kill(actor)
+
+
+def _speed_fields(result: dict[str, Any]) -> dict[str, float]:
+    return {k: float(result[k]) for k in ("single_tok_s", "aggregate_tok_s", "ttft_ms", "prefill_tok_s")}
+
 def run(args: argparse.Namespace) -> int:
-    base = base_config(args)
+    if args.offline:
+        base = base_config(args)  # a bad --model is reported before any Ray starts
     total, free = start_ray(args)
     app = args.in_place_app = serving_app(args)
-    if app is not None:  # the replicas' own model and settings are the study's base
-        base = app.serving
+    # in place, the replicas' own model and settings are the study's base (--model and --base-config unused)
+    base = app.serving if app is not None else base_config(args)
     try:
         shape = ModelShape.from_gguf(base.model_path)
         space = SearchSpace.from_yaml(args.space)
@@ -360,7 +444,8 @@ def run(args: argparse.Namespace) -> int:
     from tuning.trial import TrialSettings
 
     settings = TrialSettings(base=base, shape=shape, budget_bytes=budget, on_gpu=on_gpu,
-                             workload=Workload(gen_tokens=args.gen_tokens, repeats=args.repeats),
+                             workload=Workload(gen_tokens=args.gen_tokens, repeats=args.repeats,
+                                               prompt_set=PromptSet(args.prompt_set)),
                              max_quality_loss=args.max_quality_loss)
     searcher = make_searcher(args, space, contexts, n_layers, baseline, storage, study_name, base)
     where = (f"in place on app {app.name!r} ({app.replicas} replica(s), one trial each at a time)" if app else
@@ -372,8 +457,9 @@ def run(args: argparse.Namespace) -> int:
                "trials ran": f"in place, on app {app.name!r}" if app else "offline (engines of the tuner's own)",
                "budget": f"{budget / GiB:.2f} GiB", "min context per slot": min_ctx,
                "max quality loss": f"{args.max_quality_loss} nats/token", "sampler": args.sampler,
+               "prompt set": args.prompt_set,
                "study": study_name, "this run": f"{args.trials} trials in {wall:.0f} s"}
-    return finish(args, storage, study_name, base, context)
+    return finish(args, storage, study_name, base, context, settings)
 
 
 def _study_has_trials(storage: Any, study_name: str) -> bool:

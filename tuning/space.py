@@ -2,7 +2,9 @@
 
 Every point it proposes is a valid EngineConfig: n_ubatch is clamped to n_batch, a quantised V cache forces
 flash attention on, context is searched per slot and never below `min_ctx_per_slot` (the tuner must not
-win by starving context), and n_gpu_layers is searched only when the weights alone exceed the budget.
+win by starving context), n_gpu_layers is searched only when the weights alone exceed the budget, and
+speculative decoding (`spec_mode`) only when the space lists more than `off` (measure it with
+`--prompt-set copy` too: prompt lookup pays on text that copies its prompt).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from serving.config import CacheType, EngineConfig, FlashAttn
+from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode
 
 DEFAULT_SPACE_FILE = Path(__file__).resolve().parent.parent / "configs" / "search_space.yaml"
 
@@ -30,6 +32,8 @@ class SearchSpace(BaseModel):
     type_k: list[CacheType] = Field(default_factory=lambda: [CacheType.f16, CacheType.q8_0, CacheType.q4_0])
     type_v: list[CacheType] = Field(default_factory=lambda: [CacheType.f16, CacheType.q8_0, CacheType.q4_0])
     flash_attn: list[FlashAttn] = Field(default_factory=lambda: [FlashAttn.on, FlashAttn.off])
+    spec_mode: list[SpecMode] = Field(default_factory=lambda: [SpecMode.off],
+                                      description="speculative decoding modes to search; [off] = not searched")
 
     @field_validator("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot")
     @classmethod
@@ -38,9 +42,10 @@ class SearchSpace(BaseModel):
             raise ValueError("needs at least one value, all positive")
         return sorted(set(values))
 
-    @field_validator("flash_attn", mode="before")
+    @field_validator("flash_attn", "spec_mode", mode="before")
     @classmethod
     def _yaml_bools(cls, values: list[Any]) -> list[Any]:
+        """YAML reads a bare `off` as false."""
         return [("on" if v else "off") if isinstance(v, bool) else v for v in values]
 
     @classmethod
@@ -78,6 +83,8 @@ def suggest(trial: Any, space: SearchSpace, contexts: list[int], n_layer_choices
         params["flash_attn"] = trial.suggest_categorical("flash_attn", [f.value for f in space.flash_attn])
     if n_layer_choices is not None:
         params["n_gpu_layers"] = trial.suggest_int("n_gpu_layers", 0, n_layer_choices)
+    if space.spec_mode != [SpecMode.off]:  # searched only when the space asks: it changes what is measured
+        params["spec_mode"] = trial.suggest_categorical("spec_mode", [m.value for m in space.spec_mode])
     return params
 
 

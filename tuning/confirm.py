@@ -1,0 +1,135 @@
+"""The confirmation round: the search's best few configs and the baseline, measured again, interleaved, and
+picked on paired ratios.
+
+Repeats of one config spread ~3% on the H200, and a search's winner can lead its runner-up by less than
+that: a pick made on one measurement each may be noise. So after the search the candidates are measured
+`rounds` more times in rotating order (A B C, B C A, C A B, ...: drift on the machine hits every candidate
+alike), each round's figure is divided by the reference's figure of the same round (the article baseline
+when it ran, else the search's own pick), and the pick is made on the medians of those paired ratios. When
+the pick's range of ratios overlaps the runner-up's, the report says the pick is within noise.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from measure.workload import Speed
+from serving.config import EngineConfig
+
+PICK_WITHIN = 0.05  # balanced: best aggregate among candidates within 5% of the best single stream
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A config to confirm: the study trial it came from, and whether it is the article baseline."""
+
+    number: int
+    label: str
+    config: EngineConfig
+    is_baseline: bool = False
+
+
+@dataclass
+class Confirmed:
+    """A candidate's figures per round, and their ratios to the reference's figures of the same round."""
+
+    candidate: Candidate
+    single: list[float] = field(default_factory=list)
+    aggregate: list[float] = field(default_factory=list)
+    single_ratio: list[float] = field(default_factory=list)
+    aggregate_ratio: list[float] = field(default_factory=list)
+
+    def median(self, metric: str) -> float:
+        return statistics.median(getattr(self, f"{metric}_ratio"))
+
+    def spread(self, metric: str) -> tuple[float, float]:
+        values = getattr(self, f"{metric}_ratio")
+        return min(values), max(values)
+
+
+def rotation(round_: int, n: int) -> list[int]:
+    """The order candidates are measured in, in round `round_`: each round starts one later."""
+    return [(i + round_) % n for i in range(n)]
+
+
+def confirm(candidates: list[Candidate], reference: int, rounds: int,
+            measure: Callable[[EngineConfig], Speed], progress: Callable[[str], None] = lambda _: None
+            ) -> list[Confirmed]:
+    """Measure every candidate `rounds` times, interleaved; ratios against `candidates[reference]`."""
+    results = [Confirmed(c) for c in candidates]
+    for r in range(rounds):
+        speeds: dict[int, Speed] = {}
+        for i in rotation(r, len(candidates)):
+            speeds[i] = measure(candidates[i].config)
+            progress(f"confirmation round {r + 1}/{rounds}: trial {candidates[i].number}: "
+                     f"{speeds[i].single_tok_s:.1f} tok/s single, {speeds[i].aggregate_tok_s:.1f} 4-way")
+        ref = speeds[reference]
+        for i, result in enumerate(results):
+            result.single.append(speeds[i].single_tok_s)
+            result.aggregate.append(speeds[i].aggregate_tok_s)
+            result.single_ratio.append(speeds[i].single_tok_s / ref.single_tok_s if ref.single_tok_s else 0.0)
+            result.aggregate_ratio.append(
+                speeds[i].aggregate_tok_s / ref.aggregate_tok_s if ref.aggregate_tok_s else 0.0)
+    return results
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The confirmed pick, the candidate it beat closest, and whether that lead is inside the noise."""
+
+    pick: Confirmed
+    runner_up: Confirmed | None
+    metric: str  # the ratio the pick was decided on
+    within_noise: bool
+
+
+def decide(confirmed: list[Confirmed], prefer: str) -> Verdict:
+    """The pick on median paired ratios (same rule as the search's pick), among non-baseline candidates
+    when there are any."""
+    pool = [c for c in confirmed if not c.candidate.is_baseline] or confirmed
+    if prefer == "single":
+        metric, ranked = "single", sorted(pool, key=lambda c: (c.median("single"), c.median("aggregate")))
+    elif prefer == "aggregate":
+        metric, ranked = "aggregate", sorted(pool, key=lambda c: (c.median("aggregate"), c.median("single")))
+    else:
+        best_single = max(c.median("single") for c in pool)
+        near = [c for c in pool if c.median("single") >= (1 - PICK_WITHIN) * best_single]
+        metric = "aggregate"
+        ranked = sorted(near, key=lambda c: (c.median("aggregate"), c.median("single")))
+        ranked = [c for c in pool if c not in near] + ranked
+    pick, runner_up = ranked[-1], (ranked[-2] if len(ranked) > 1 else None)
+    overlap = runner_up is not None and runner_up.spread(metric)[1] >= pick.spread(metric)[0]
+    return Verdict(pick, runner_up, metric, overlap)
+
+
+def markdown(confirmed: list[Confirmed], verdict: Verdict, reference: Candidate, rounds: int) -> str:
+    """The report's confirmation section."""
+    lines = ["## Confirmation round", "",
+             f"{len(confirmed)} candidates measured {rounds} more time(s) each, interleaved in rotating order; "
+             f"ratios are paired with trial {reference.number}"
+             f"{' (the article baseline)' if reference.is_baseline else ' (the search pick)'} of the same round: "
+             "median [min-max].", "",
+             "| trial | config | single tok/s (rounds) | single ratio | 4-way tok/s (rounds) | 4-way ratio |",
+             "|---|---|---|---|---|---|"]
+    for c in confirmed:
+        mark = " (baseline)" if c.candidate.is_baseline else " **(pick)**" if c is verdict.pick else ""
+        lines.append(
+            f"| {c.candidate.number}{mark} | {c.candidate.label} | {', '.join(f'{v:.1f}' for v in c.single)} "
+            f"| {_ratio(c, 'single')} | {', '.join(f'{v:.1f}' for v in c.aggregate)} | {_ratio(c, 'aggregate')} |")
+    lines.append("")
+    if verdict.runner_up is None:
+        lines.append(f"Pick: trial {verdict.pick.candidate.number} (the only candidate).")
+    else:
+        noise = ("**within noise**: its range of ratios overlaps the runner-up's, so the two are not told apart "
+                 "by these rounds" if verdict.within_noise else "ahead of the runner-up in every round's range")
+        lines.append(f"Pick: trial {verdict.pick.candidate.number} on the {verdict.metric} ratio "
+                     f"({verdict.pick.median(verdict.metric):.3f} vs {verdict.runner_up.median(verdict.metric):.3f} "
+                     f"for trial {verdict.runner_up.candidate.number}): {noise}.")
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(c: Confirmed, metric: str) -> str:
+    low, high = c.spread(metric)
+    return f"{c.median(metric):.3f} [{low:.3f}-{high:.3f}]"
