@@ -6,7 +6,9 @@ report means the same thing wherever it was measured:
   timings.predicted_per_second);
 - TTFT: from the moment the request reached the engine to its first token (queueing included);
 - prefill tok/s: prompt tokens evaluated (not served from a slot's cache) / TTFT;
-- aggregate tok/s: all tokens of `concurrency` streams started together / wall time until the last ends.
+- aggregate tok/s: all tokens of `concurrency` streams started together / wall time until the last ends;
+- capacity tok/s: the best aggregate over 1, 2, 4, ... up to the config's slots streams at once with every
+  stream's decode tok/s at least a floor (`min_stream_tok_s`), one run per stream count.
 Every prompt starts with a distinct request number, so no run is flattered by a slot's prefix cache.
 """
 
@@ -71,6 +73,7 @@ class Workload:
     repeats: int = 3
     prompt_set: PromptSet = PromptSet.plain
     ignore_eos: bool = True  # fixed lengths for speed; the copy set stops at EOS (see params)
+    min_stream_tok_s: float | None = None  # set: also measure the capacity curve with this floor per stream
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.gen_tokens, temperature=0.0,
@@ -105,6 +108,38 @@ class Speed:
     prefill_tok_s: float
 
 
+@dataclass(frozen=True)
+class CapacityPoint:
+    """`streams` streams at once: their aggregate tok/s, and the slowest one's decode tok/s."""
+
+    streams: int
+    aggregate_tok_s: float
+    slowest_tok_s: float
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a server is bought for: the most aggregate tok/s at any stream count up to the config's slots
+    with every stream at least `floor_tok_s` (a reader's pace); 0 when even one stream is slower."""
+
+    floor_tok_s: float
+    tok_s: float
+    streams: int  # the stream count that gave it (0: none met the floor)
+    curve: tuple[CapacityPoint, ...]
+
+    @classmethod
+    def of(cls, floor_tok_s: float, curve: list[CapacityPoint]) -> Capacity:
+        met = [p for p in curve if p.slowest_tok_s >= floor_tok_s]
+        best = max(met, key=lambda p: p.aggregate_tok_s, default=None)
+        return cls(floor_tok_s, best.aggregate_tok_s if best else 0.0, best.streams if best else 0, tuple(curve))
+
+
+def capacity_levels(slots: int) -> list[int]:
+    """Stream counts the capacity curve is measured at: 1, 2, 4, ... below `slots`, and `slots`."""
+    levels = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
+    return [*levels, slots]
+
+
 def read(handle: Handle) -> Stream:
     """A stream to its end; an error ends the measurement (a failed run is no figure)."""
     parts, last = [], GenerationChunk()
@@ -134,13 +169,22 @@ class Runner:
     def single(self, engine: Submitter) -> Stream:
         return read(engine.submit(self.prompt(engine), self.workload.params()))
 
-    def concurrent(self, engine: Submitter) -> tuple[float, list[Stream]]:
-        """`concurrency` streams at once: (total generated tokens / wall time, the streams)."""
-        prompts = [self.prompt(engine) for _ in range(self.workload.concurrency)]
+    def concurrent(self, engine: Submitter, streams: int | None = None) -> tuple[float, list[Stream]]:
+        """`streams` (default: the workload's `concurrency`) streams at once: (total generated tokens / wall
+        time, the streams)."""
+        prompts = [self.prompt(engine) for _ in range(streams or self.workload.concurrency)]
         t0 = time.perf_counter()
-        streams = [read(h) for h in [engine.submit(p, self.workload.params()) for p in prompts]]
-        total = sum(s.usage.completion_tokens for s in streams)
-        return total / (time.perf_counter() - t0), streams
+        done = [read(h) for h in [engine.submit(p, self.workload.params()) for p in prompts]]
+        total = sum(s.usage.completion_tokens for s in done)
+        return total / (time.perf_counter() - t0), done
+
+    def capacity(self, engine: Submitter, slots: int, floor_tok_s: float) -> Capacity:
+        """The capacity curve up to `slots` streams (one run per stream count, after `measure`'s warm-up)."""
+        curve = []
+        for n in capacity_levels(slots):
+            aggregate, done = self.concurrent(engine, n)
+            curve.append(CapacityPoint(n, aggregate, min(s.decode_tok_s or 0.0 for s in done)))
+        return Capacity.of(floor_tok_s, curve)
 
     def measure(self, engine: Submitter) -> Speed:
         """Warm up once (first-use allocations, CPU caches), then the medians of `repeats` runs."""

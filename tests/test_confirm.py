@@ -3,9 +3,8 @@ pick and the within-noise verdict."""
 
 from __future__ import annotations
 
-from measure.workload import Speed
 from serving.config import EngineConfig
-from tuning.confirm import Candidate, confirm, decide, markdown, rotation
+from tuning.confirm import Candidate, Figures, confirm, decide, markdown, rotation
 
 A, B, BASE = (EngineConfig(n_parallel=n, n_ctx=1024 * n) for n in (1, 2, 4))
 
@@ -19,11 +18,11 @@ def _measure(figures: dict[EngineConfig, list[tuple[float, float]]], order: list
     calls = {c: 0 for c in figures}
     index = {A: 0, B: 1, BASE: 2}
 
-    def measure(config: EngineConfig) -> Speed:
-        single, aggregate = figures[config][calls[config]]
+    def measure(config: EngineConfig) -> Figures:
+        single, second = figures[config][calls[config]]
         calls[config] += 1
         order.append(index[config])
-        return Speed(single, aggregate, 0.0, 0.0)
+        return Figures(single, second)
 
     return measure
 
@@ -40,10 +39,10 @@ def test_ratios_are_paired_within_a_round_and_the_pick_is_on_their_medians() -> 
     confirmed = confirm(_candidates(), reference=2, rounds=3, measure=_measure(figures, order))
     assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
     a, b, base = confirmed
-    assert a.single_ratio == [2.0, 2.0, 2.0] and b.aggregate_ratio == [2.4, 2.4, 2.4]
+    assert a.single_ratio == [2.0, 2.0, 2.0] and b.second_ratio == [2.4, 2.4, 2.4]
     assert base.single_ratio == [1.0, 1.0, 1.0]
     verdict = decide(confirmed, "balanced")  # b: within 5% of a's single, better aggregate
-    assert verdict.pick is b and verdict.runner_up is a and verdict.metric == "aggregate"
+    assert verdict.pick is b and verdict.runner_up is a and verdict.metric == "second"
     assert not verdict.within_noise
     assert decide(confirmed, "single").pick is b and decide(confirmed, "aggregate").pick is b
     text = markdown(confirmed, verdict, _candidates()[2], 3)

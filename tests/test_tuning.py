@@ -509,7 +509,7 @@ def test_offline_confirmation_measures_on_an_engine_of_its_own(ray_session: None
     configs = [EngineConfig(n_parallel=1, n_ctx=1024), EngineConfig(n_parallel=2, n_ctx=2048)]
     with confirmation_measure(args, settings, "s", [Candidate(0, "a", configs[0])]) as measure:
         speeds = [measure(c) for c in configs]
-    assert all(s.single_tok_s > 0 and s.aggregate_tok_s > 0 for s in speeds)
+    assert all(s.single > 0 and s.second > 0 for s in speeds)
 
 
 def test_speculation_is_searched_only_when_the_space_lists_it(tmp_path: Path) -> None:
@@ -522,3 +522,29 @@ def test_speculation_is_searched_only_when_the_space_lists_it(tmp_path: Path) ->
     assert "spec_mode" not in suggest(study.ask(), plain, [1024], None)
     modes = {to_engine_config(suggest(study.ask(), spec, [1024], None), EngineConfig()).spec_mode for _ in range(12)}
     assert modes == {SpecMode.off, SpecMode.ngram}
+
+
+@pytest.mark.timeout(300)
+def test_capacity_is_measured_per_trial_and_can_be_the_objective(ray_session: None, tmp_path: Path) -> None:
+    from tuning.search import main
+
+    args = tuner_args(tmp_path, SMALL_SPACE, "--objective", "capacity", "--min-stream-tok-s", "0.5",
+                      "--confirm-rounds", "0")
+    assert main(["--trials", "2", *args]) == 0
+    trials = [t for t in load_trials(tmp_path) if "answered_from" not in t.user_attrs]
+    assert len(trials) == 2
+    for t in trials:
+        a = t.user_attrs
+        assert a["capacity_tok_s"] > 0 and a["capacity_streams"] >= 1
+        assert [p["streams"] for p in a["capacity_curve"]] == [1, 2][:a["params"]["n_parallel"]]
+        assert t.values[1] == a["capacity_tok_s"], "the study's second objective is the capacity figure"
+    report = (tmp_path / "t" / "report.md").read_text()
+    assert "capacity tok/s (streams)" in report and "objectives: single stream, capacity tok/s" in report
+
+
+def test_capacity_objective_needs_its_floor(capsys: pytest.CaptureFixture) -> None:
+    from tuning.search import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--objective", "capacity"])
+    assert exit_.value.code == 2 and "--min-stream-tok-s" in capsys.readouterr().err

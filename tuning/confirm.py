@@ -15,7 +15,6 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from measure.workload import Speed
 from serving.config import EngineConfig
 
 PICK_WITHIN = 0.05  # balanced: best aggregate among candidates within 5% of the best single stream
@@ -31,15 +30,23 @@ class Candidate:
     is_baseline: bool = False
 
 
+@dataclass(frozen=True)
+class Figures:
+    """One measurement of a candidate: single-stream tok/s and the second objective's tok/s."""
+
+    single: float
+    second: float
+
+
 @dataclass
 class Confirmed:
     """A candidate's figures per round, and their ratios to the reference's figures of the same round."""
 
     candidate: Candidate
     single: list[float] = field(default_factory=list)
-    aggregate: list[float] = field(default_factory=list)
+    second: list[float] = field(default_factory=list)
     single_ratio: list[float] = field(default_factory=list)
-    aggregate_ratio: list[float] = field(default_factory=list)
+    second_ratio: list[float] = field(default_factory=list)
 
     def median(self, metric: str) -> float:
         return statistics.median(getattr(self, f"{metric}_ratio"))
@@ -55,23 +62,22 @@ def rotation(round_: int, n: int) -> list[int]:
 
 
 def confirm(candidates: list[Candidate], reference: int, rounds: int,
-            measure: Callable[[EngineConfig], Speed], progress: Callable[[str], None] = lambda _: None
+            measure: Callable[[EngineConfig], Figures], progress: Callable[[str], None] = lambda _: None
             ) -> list[Confirmed]:
     """Measure every candidate `rounds` times, interleaved; ratios against `candidates[reference]`."""
     results = [Confirmed(c) for c in candidates]
     for r in range(rounds):
-        speeds: dict[int, Speed] = {}
+        figures: dict[int, Figures] = {}
         for i in rotation(r, len(candidates)):
-            speeds[i] = measure(candidates[i].config)
+            figures[i] = measure(candidates[i].config)
             progress(f"confirmation round {r + 1}/{rounds}: trial {candidates[i].number}: "
-                     f"{speeds[i].single_tok_s:.1f} tok/s single, {speeds[i].aggregate_tok_s:.1f} 4-way")
-        ref = speeds[reference]
+                     f"{figures[i].single:.1f} tok/s single, {figures[i].second:.1f} second objective")
+        ref = figures[reference]
         for i, result in enumerate(results):
-            result.single.append(speeds[i].single_tok_s)
-            result.aggregate.append(speeds[i].aggregate_tok_s)
-            result.single_ratio.append(speeds[i].single_tok_s / ref.single_tok_s if ref.single_tok_s else 0.0)
-            result.aggregate_ratio.append(
-                speeds[i].aggregate_tok_s / ref.aggregate_tok_s if ref.aggregate_tok_s else 0.0)
+            result.single.append(figures[i].single)
+            result.second.append(figures[i].second)
+            result.single_ratio.append(figures[i].single / ref.single if ref.single else 0.0)
+            result.second_ratio.append(figures[i].second / ref.second if ref.second else 0.0)
     return results
 
 
@@ -81,7 +87,7 @@ class Verdict:
 
     pick: Confirmed
     runner_up: Confirmed | None
-    metric: str  # the ratio the pick was decided on
+    metric: str  # the ratio the pick was decided on: "single" or "second"
     within_noise: bool
 
 
@@ -90,41 +96,43 @@ def decide(confirmed: list[Confirmed], prefer: str) -> Verdict:
     when there are any."""
     pool = [c for c in confirmed if not c.candidate.is_baseline] or confirmed
     if prefer == "single":
-        metric, ranked = "single", sorted(pool, key=lambda c: (c.median("single"), c.median("aggregate")))
+        metric, ranked = "single", sorted(pool, key=lambda c: (c.median("single"), c.median("second")))
     elif prefer == "aggregate":
-        metric, ranked = "aggregate", sorted(pool, key=lambda c: (c.median("aggregate"), c.median("single")))
+        metric, ranked = "second", sorted(pool, key=lambda c: (c.median("second"), c.median("single")))
     else:
         best_single = max(c.median("single") for c in pool)
         near = [c for c in pool if c.median("single") >= (1 - PICK_WITHIN) * best_single]
-        metric = "aggregate"
-        ranked = sorted(near, key=lambda c: (c.median("aggregate"), c.median("single")))
+        metric = "second"
+        ranked = sorted(near, key=lambda c: (c.median("second"), c.median("single")))
         ranked = [c for c in pool if c not in near] + ranked
     pick, runner_up = ranked[-1], (ranked[-2] if len(ranked) > 1 else None)
     overlap = runner_up is not None and runner_up.spread(metric)[1] >= pick.spread(metric)[0]
     return Verdict(pick, runner_up, metric, overlap)
 
 
-def markdown(confirmed: list[Confirmed], verdict: Verdict, reference: Candidate, rounds: int) -> str:
+def markdown(confirmed: list[Confirmed], verdict: Verdict, reference: Candidate, rounds: int,
+             second_label: str = "4-way tok/s") -> str:
     """The report's confirmation section."""
     lines = ["## Confirmation round", "",
              f"{len(confirmed)} candidates measured {rounds} more time(s) each, interleaved in rotating order; "
              f"ratios are paired with trial {reference.number}"
              f"{' (the article baseline)' if reference.is_baseline else ' (the search pick)'} of the same round: "
              "median [min-max].", "",
-             "| trial | config | single tok/s (rounds) | single ratio | 4-way tok/s (rounds) | 4-way ratio |",
+             f"| trial | config | single tok/s (rounds) | single ratio | {second_label} (rounds) | its ratio |",
              "|---|---|---|---|---|---|"]
     for c in confirmed:
         mark = " (baseline)" if c.candidate.is_baseline else " **(pick)**" if c is verdict.pick else ""
         lines.append(
             f"| {c.candidate.number}{mark} | {c.candidate.label} | {', '.join(f'{v:.1f}' for v in c.single)} "
-            f"| {_ratio(c, 'single')} | {', '.join(f'{v:.1f}' for v in c.aggregate)} | {_ratio(c, 'aggregate')} |")
+            f"| {_ratio(c, 'single')} | {', '.join(f'{v:.1f}' for v in c.second)} | {_ratio(c, 'second')} |")
     lines.append("")
     if verdict.runner_up is None:
         lines.append(f"Pick: trial {verdict.pick.candidate.number} (the only candidate).")
     else:
         noise = ("**within noise**: its range of ratios overlaps the runner-up's, so the two are not told apart "
                  "by these rounds" if verdict.within_noise else "ahead of the runner-up in every round's range")
-        lines.append(f"Pick: trial {verdict.pick.candidate.number} on the {verdict.metric} ratio "
+        metric = "single-stream" if verdict.metric == "single" else second_label
+        lines.append(f"Pick: trial {verdict.pick.candidate.number} on the {metric} ratio "
                      f"({verdict.pick.median(verdict.metric):.3f} vs {verdict.runner_up.median(verdict.metric):.3f} "
                      f"for trial {verdict.runner_up.candidate.number}): {noise}.")
     return "\n".join(lines) + "\n"

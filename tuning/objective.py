@@ -48,6 +48,7 @@ def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline:
     """Speed, memory and quality of `engine` as it runs now; `baseline` (the f16 NLL) is measured when None."""
     mem_measured = probe.memory_in_use()
     speed = runner.measure(engine)
+    capacity = capacity_figures(runner, engine)
     nll = engine.score(quality_tokens(engine))
     reference = baseline_nll(engine) if baseline is None else baseline
     return {
@@ -55,8 +56,18 @@ def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline:
         "ttft_ms": speed.ttft_ms, "prefill_tok_s": speed.prefill_tok_s,
         "nll": nll, "nll_baseline": reference, "nll_delta": nll - reference,
         "mem_measured": mem_measured, "weight_loads": engine.weight_loads, "weight_load_s": engine.weight_load_s,
-        **probe.state(),
+        **capacity, **probe.state(),
     }
+
+
+def capacity_figures(runner: Runner, engine: Engine) -> dict[str, Any]:
+    """The capacity figure and curve at the config's slot count, when the workload asks for them."""
+    floor = runner.workload.min_stream_tok_s
+    if floor is None:
+        return {}
+    capacity = runner.capacity(engine, engine.config.n_parallel, floor)
+    return {"capacity_tok_s": capacity.tok_s, "capacity_streams": capacity.streams,
+            "capacity_curve": [asdict(p) for p in capacity.curve]}
 
 
 @dataclass(frozen=True)
@@ -85,4 +96,5 @@ class SpeedMeasure:
     first_request: int
 
     def __call__(self, engine: Engine) -> dict[str, Any]:
-        return asdict(Runner(self.workload, self.first_request).measure(engine))
+        runner = Runner(self.workload, self.first_request)
+        return {**asdict(runner.measure(engine)), **capacity_figures(runner, engine)}

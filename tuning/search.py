@@ -27,13 +27,13 @@ from serving.config import CacheType, EngineConfig, FlashAttn, load_engine_confi
 from tuning.device import gpu_memory_total  # noqa: E402
 from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
 from measure.workload import PromptSet  # noqa: E402
+from tuning.report import Objective  # noqa: E402
 from tuning.objective import Workload  # noqa: E402
 from tuning.space import SearchSpace, SpaceFunction, to_engine_config  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARTICLE_CONFIG = REPO_ROOT / "configs" / "article.yaml"
 GPU_MARGIN = 1 * GiB
-OBJECTIVES = ["single_tok_s", "aggregate_tok_s"]
 
 
 class UserError(Exception):
@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "--confirm-top configs and the baseline this many more times, interleaved, and pick on paired "
                    "ratios (default 3; 0 = pick on the search's single measurements)")
     p.add_argument("--confirm-top", type=int, default=3, help="configs of the Pareto front to confirm (default 3)")
+    p.add_argument("--objective", choices=[o.value for o in Objective], default="aggregate",
+                   help="the second objective beside single-stream tok/s: aggregate (4 streams at once, default) or "
+                        "capacity (the best aggregate at 1, 2, 4, ... up to the config's slots streams with every "
+                        "stream at least --min-stream-tok-s)")
+    p.add_argument("--min-stream-tok-s", type=float, help="per-stream floor of the capacity figure, e.g. 10 "
+                   "(a reader's pace); given, every trial also measures the capacity curve (one run per stream count)")
     p.add_argument("--sampler", choices=["tpe", "nsga2", "random"], default="tpe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per measured request")
@@ -88,6 +94,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--trials must be at least 1")
     if args.repeats < 1 or args.gen_tokens < 2:
         p.error("--repeats must be >= 1 and --gen-tokens >= 2")
+    if args.objective == Objective.capacity.value and args.min_stream_tok_s is None:
+        p.error("--objective capacity needs --min-stream-tok-s (the floor every stream must keep)")
+    if args.min_stream_tok_s is not None and args.min_stream_tok_s <= 0:
+        p.error("--min-stream-tok-s must be > 0")
     if args.confirm_rounds < 0 or args.confirm_top < 1:
         p.error("--confirm-rounds must be >= 0 and --confirm-top >= 1")
     if args.in_place and args.offline:
@@ -250,14 +260,15 @@ def make_searcher(args: argparse.Namespace, space: SearchSpace, contexts: list[i
 
     return RecordingOptunaSearch(
         space=SpaceFunction(space, contexts, n_layers),
-        metric=OBJECTIVES, mode=["max", "max"],
+        metric=["single_tok_s", Objective(args.objective).key], mode=["max", "max"],
         points_to_evaluate=[baseline] if baseline else None,
         sampler=make_sampler(args.sampler, args.seed), study_name=study_name, storage=storage, seed=args.seed,
         recorded=RECORDED, first_is_baseline=baseline is not None, canonical=partial(to_engine_config, base=base),
     )
 
 
-RECORDED = ("single_tok_s", "aggregate_tok_s", "ttft_ms", "prefill_tok_s", "nll", "nll_baseline", "nll_delta",
+RECORDED = ("single_tok_s", "aggregate_tok_s", "capacity_tok_s", "capacity_streams", "capacity_curve", "ttft_ms",
+            "prefill_tok_s", "nll", "nll_baseline", "nll_delta",
             "mem_predicted", "mem_measured", "mem_budget", "constraint_mem", "constraint_quality", "feasible",
             "rejected", "error", "setup_s", "weight_loads", "weight_load_s", "actor", "sm_clock_mhz",
             "mem_clock_mhz", "sm_clock_max_mhz", "temperature_c", "throttle_reasons", "throttled", "shared",
@@ -290,7 +301,8 @@ def run_study(args: argparse.Namespace, settings: Any, searcher: Any, on_gpu: bo
         slots = max(gpus, 1) if on_gpu else 1
     reporter = CLIReporter(
         parameter_columns=["n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn"],
-        metric_columns={"single_tok_s": "single", "aggregate_tok_s": "4-way", "feasible": "ok"},
+        metric_columns={"single_tok_s": "single", "aggregate_tok_s": "4-way",
+                        **({"capacity_tok_s": "capacity"} if args.min_stream_tok_s else {}), "feasible": "ok"},
         max_report_frequency=15,
     )
     tuner = tune.Tuner(
@@ -313,7 +325,7 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     from tuning.writeback import apply_to_serve, write_config
 
     study = optuna.load_study(study_name=study_name, storage=storage)
-    rows = report.rows_from_study(study)
+    rows = report.rows_from_study(study, Objective(args.objective))
     winner = report.pick(rows, args.prefer)
     out_dir = args.results_dir / study_name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -338,7 +350,7 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     tuned = to_engine_config(winner.params, base)
     baseline = next((r for r in rows if r.is_baseline), None)
     summary = (f"study {study_name}, trial {winner.number} ({args.prefer} pick): {winner.single:.1f} tok/s single, "
-               f"{winner.aggregate:.1f} tok/s 4-way; {report.gain(winner, baseline)}")
+               f"{winner.second:.1f} {winner.objective.label}; {report.gain(winner, baseline)}")
     write_config(args.out, tuned, header=summary)
     print(f"pick: {summary}\nwritten: {args.out}")
     if not args.no_apply:
@@ -358,9 +370,9 @@ def confirm_pick(args: argparse.Namespace, rows: list[Any], winner: Any, base: E
     paired ratios, and the report's section on it."""
     from tuning import confirm, report
 
-    ranked = sorted(report.pareto_front(rows), key=lambda r: (r.aggregate, r.single), reverse=True)
+    ranked = sorted(report.pareto_front(rows), key=lambda r: (r.second, r.single), reverse=True)
     if args.prefer == "single":
-        ranked.sort(key=lambda r: (r.single, r.aggregate), reverse=True)
+        ranked.sort(key=lambda r: (r.single, r.second), reverse=True)
     chosen = [winner] + [r for r in ranked if r is not winner][:args.confirm_top - 1]
     baseline = next((r for r in rows if r.is_baseline and r.single > 0), None)
     if baseline is not None and baseline not in chosen:
@@ -377,27 +389,33 @@ def confirm_pick(args: argparse.Namespace, rows: list[Any], winner: Any, base: E
     noise = " (within noise)" if verdict.within_noise else ""
     print(f"confirmed pick: trial {verdict.pick.candidate.number}{noise}")
     picked = next(r for r in rows if r.number == verdict.pick.candidate.number)
-    return picked, confirm.markdown(confirmed, verdict, candidates[reference], args.confirm_rounds)
+    return picked, confirm.markdown(confirmed, verdict, candidates[reference], args.confirm_rounds,
+                                    Objective(args.objective).label)
 
 
 @contextlib.contextmanager
 def confirmation_measure(args: argparse.Namespace, settings: Any, study_name: str,
                          candidates: list[Any]) -> Iterator[Callable[[EngineConfig], Any]]:
-    """`config -> Speed` for the confirmation round: on a serving replica in place, else on one engine of
+    """`config -> Figures` for the confirmation round: on a serving replica in place, else on one engine of
     our own in a Ray actor (one more weight load)."""
     import itertools
 
-    from measure.workload import Speed
+    from tuning.confirm import Figures
     from tuning.objective import SpeedMeasure
 
     requests = itertools.count(10**6, 1000)  # request numbers apart from the trials'
+    second = Objective(getattr(args, "objective", Objective.aggregate.value)).key
+
+    def figures(result: dict[str, Any]) -> Figures:
+        return Figures(float(result["single_tok_s"]), float(result[second]))
+
     app = args.in_place_app
     if app is not None:
         from tuning.inplace import replica_speed
 
         total = args.trials + args.confirm_rounds * len(candidates)
-        yield lambda config: Speed(**_speed_fields(replica_speed(
-            app.name, study_name, total, config, SpeedMeasure(settings.workload, next(requests)))))
+        yield lambda config: figures(replica_speed(
+            app.name, study_name, total, config, SpeedMeasure(settings.workload, next(requests))))
         return
     import ray
 
@@ -406,15 +424,11 @@ def confirmation_measure(args: argparse.Namespace, settings: Any, study_name: st
     resources = {"num_gpus": 1, "num_cpus": 1} if settings.on_gpu else {"num_cpus": 1}
     actor: Any = ray.remote(ConfirmEngine).options(**resources).remote(candidates[0].config)
     try:
-        yield lambda config: Speed(**_speed_fields(ray.get(actor.measure.remote(
-            config, SpeedMeasure(settings.workload, next(requests))))))
+        yield lambda config: figures(ray.get(actor.measure.remote(
+            config, SpeedMeasure(settings.workload, next(requests)))))
     finally:
         ray.get(actor.close.remote())
         ray.kill(actor)
-
-
-def _speed_fields(result: dict[str, Any]) -> dict[str, float]:
-    return {k: float(result[k]) for k in ("single_tok_s", "aggregate_tok_s", "ttft_ms", "prefill_tok_s")}
 
 def run(args: argparse.Namespace) -> int:
     if args.offline:
@@ -445,7 +459,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = TrialSettings(base=base, shape=shape, budget_bytes=budget, on_gpu=on_gpu,
                              workload=Workload(gen_tokens=args.gen_tokens, repeats=args.repeats,
-                                               prompt_set=PromptSet(args.prompt_set)),
+                                               prompt_set=PromptSet(args.prompt_set),
+                                               min_stream_tok_s=args.min_stream_tok_s),
                              max_quality_loss=args.max_quality_loss)
     searcher = make_searcher(args, space, contexts, n_layers, baseline, storage, study_name, base)
     where = (f"in place on app {app.name!r} ({app.replicas} replica(s), one trial each at a time)" if app else
@@ -457,7 +472,8 @@ def run(args: argparse.Namespace) -> int:
                "trials ran": f"in place, on app {app.name!r}" if app else "offline (engines of the tuner's own)",
                "budget": f"{budget / GiB:.2f} GiB", "min context per slot": min_ctx,
                "max quality loss": f"{args.max_quality_loss} nats/token", "sampler": args.sampler,
-               "prompt set": args.prompt_set,
+               "prompt set": args.prompt_set, "objectives": f"single stream, {Objective(args.objective).label}",
+               **({"capacity floor": f"{args.min_stream_tok_s} tok/s per stream"} if args.min_stream_tok_s else {}),
                "study": study_name, "this run": f"{args.trials} trials in {wall:.0f} s"}
     return finish(args, storage, study_name, base, context, settings)
 

@@ -60,6 +60,7 @@ class ConfigTrial(tune.Trainable):
             "n_ubatch_used": config.n_ubatch,
             "mem_predicted": predicted.total, "mem_budget": s.budget_bytes, "single_tok_s": 0.0,
             "aggregate_tok_s": 0.0, "rejected": "", "error": "",
+            **({"capacity_tok_s": 0.0} if s.workload.min_stream_tok_s is not None else {}),
         }
         if predicted.total > s.budget_bytes:
             result["rejected"] = "predicted memory over budget"
