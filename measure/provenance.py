@@ -14,6 +14,13 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+COMMIT_ENV = "LLAMA_SERVE_TUNE_COMMIT"  # the commit that runs, where the tree's git metadata is a stale copy
+
+
+def commit() -> str:
+    """The commit under measurement: $LLAMA_SERVE_TUNE_COMMIT when set (the GPU machine gets a copy of the
+    working tree whose .git may be an older one), else `git rev-parse --short HEAD`."""
+    return os.environ.get(COMMIT_ENV) or _run(["git", "rev-parse", "--short", "HEAD"])
 
 
 def _run(cmd: Sequence[str]) -> str:
@@ -27,7 +34,7 @@ def provenance() -> dict[str, Any]:
     cpu = next((ln.split(":", 1)[1].strip() for ln in _run(["lscpu"]).splitlines() if ln.startswith("Model name")),
                platform.processor())
     return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "cpu": cpu,
-            "cpus": len(os.sched_getaffinity(0)), "commit": _run(["git", "rev-parse", "--short", "HEAD"]),
+            "cpus": len(os.sched_getaffinity(0)), "commit": commit(),
             "dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
             "llama_cpp_python": _bindings_version(), "command": " ".join(sys.argv)}
 

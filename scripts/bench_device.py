@@ -65,6 +65,8 @@ from collections.abc import Awaitable, Callable, Sequence  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import Any  # noqa: E402
 
+from measure.provenance import COMMIT_ENV  # noqa: E402
+
 GiB = 1 << 30
 SINGLE, MULTI = 1, 4  # concurrency levels: a lone stream, and four at once
 TARGETS = ("llama-server", "ours in-process", "ours HTTP")
@@ -351,8 +353,8 @@ def llama_cpp_commit(version: str | None) -> str | None:
 
 def repo_commit(override: str | None) -> str:
     """`git rev-parse HEAD`, or the --commit override (the GPU machine gets a copy of the tree without .git)."""
-    if override:
-        return override
+    if override or os.environ.get(COMMIT_ENV):
+        return override or os.environ[COMMIT_ENV]
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10, check=False)

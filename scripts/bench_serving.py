@@ -57,6 +57,8 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from measure.provenance import COMMIT_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_CONCURRENCY = 64
 MAX_REPEATS = 20
@@ -816,6 +818,8 @@ def git_head() -> dict[str, Any]:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
+    if os.environ.get(COMMIT_ENV):  # the GPU machine's copy of the tree: its .git may be an older one
+        return {"git_head": os.environ[COMMIT_ENV], "git_dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"git_head": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None}
 

@@ -30,3 +30,12 @@ def test_capacity_measured_on_the_engine(engine: Engine) -> None:
     assert low.tok_s > 0 and low.streams in capacity_levels(engine.config.n_parallel)
     assert all(p.aggregate_tok_s > 0 and p.slowest_tok_s > 0 for p in low.curve)
     assert runner.capacity(engine, 2, floor_tok_s=1e9).tok_s == 0.0
+
+
+def test_provenance_takes_the_commit_it_is_told(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On the GPU machine the tree's .git may be an older copy: LLAMA_SERVE_TUNE_COMMIT says what ran."""
+    from measure.provenance import COMMIT_ENV, commit, provenance
+
+    assert commit() != "feedc0de"
+    monkeypatch.setenv(COMMIT_ENV, "feedc0de")
+    assert commit() == "feedc0de" and provenance()["commit"] == "feedc0de"
