@@ -74,6 +74,7 @@ class Workload:
     prompt_set: PromptSet = PromptSet.plain
     ignore_eos: bool = True  # fixed lengths for speed; the copy set stops at EOS (see params)
     min_stream_tok_s: float | None = None  # set: also measure the capacity curve with this floor per stream
+    report_copy: bool = False  # also measure the single stream on the copy set (tuning/objective.py)
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.gen_tokens, temperature=0.0,
@@ -158,6 +159,11 @@ class Runner:
         self.workload = workload
         self._n = first_request - 1
         self._source = source_text() if workload.prompt_set == PromptSet.copy else ""
+
+    @property
+    def next_request(self) -> int:
+        """The number the next prompt will carry (a second runner can continue from it)."""
+        return self._n + 1
 
     def prompt(self, engine: Submitter) -> list[int]:
         self._n += 1

@@ -525,11 +525,11 @@ def test_speculation_is_searched_only_when_the_space_lists_it(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(300)
-def test_capacity_is_measured_per_trial_and_can_be_the_objective(ray_session: None, tmp_path: Path) -> None:
+def test_capacity_and_the_copy_set_are_measured_per_trial(ray_session: None, tmp_path: Path) -> None:
     from tuning.search import main
 
     args = tuner_args(tmp_path, SMALL_SPACE, "--objective", "capacity", "--min-stream-tok-s", "0.5",
-                      "--confirm-rounds", "0")
+                      "--confirm-rounds", "0", "--prompt-set", "both")
     assert main(["--trials", "2", *args]) == 0
     trials = [t for t in load_trials(tmp_path) if "answered_from" not in t.user_attrs]
     assert len(trials) == 2
@@ -538,8 +538,10 @@ def test_capacity_is_measured_per_trial_and_can_be_the_objective(ray_session: No
         assert a["capacity_tok_s"] > 0 and a["capacity_streams"] >= 1
         assert [p["streams"] for p in a["capacity_curve"]] == [1, 2][:a["params"]["n_parallel"]]
         assert t.values[1] == a["capacity_tok_s"], "the study's second objective is the capacity figure"
+        assert a["single_copy_tok_s"] > 0, "--prompt-set both: the copy set's single stream is reported too"
     report = (tmp_path / "t" / "report.md").read_text()
     assert "capacity tok/s (streams)" in report and "objectives: single stream, capacity tok/s" in report
+    assert "copy-set single tok/s" in report
 
 
 def test_capacity_objective_needs_its_floor(capsys: pytest.CaptureFixture) -> None:

@@ -9,11 +9,12 @@ actor (tuning/trial.py), or inside a serving replica (`InPlaceMeasure`, sent the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import statistics
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from typing import Any
 
-from measure.workload import Runner, Speed, Workload
+from measure.workload import PromptSet, Runner, Speed, Workload
 from serving.config import CacheType
 from serving.engine import Engine
 from tuning.device import DeviceProbe
@@ -49,6 +50,7 @@ def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline:
     mem_measured = probe.memory_in_use()
     speed = runner.measure(engine)
     capacity = capacity_figures(runner, engine)
+    copy = copy_figures(runner, engine)
     nll = engine.score(quality_tokens(engine))
     reference = baseline_nll(engine) if baseline is None else baseline
     return {
@@ -56,8 +58,19 @@ def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline:
         "ttft_ms": speed.ttft_ms, "prefill_tok_s": speed.prefill_tok_s,
         "nll": nll, "nll_baseline": reference, "nll_delta": nll - reference,
         "mem_measured": mem_measured, "weight_loads": engine.weight_loads, "weight_load_s": engine.weight_load_s,
-        **capacity, **probe.state(),
+        **capacity, **copy, **probe.state(),
     }
+
+
+def copy_figures(runner: Runner, engine: Engine) -> dict[str, Any]:
+    """With `report_copy`: the single stream on the copy prompt set too (where prompt lookup pays), the median
+    decode tok/s of `repeats` runs after a warm-up; the objectives stay on the workload's own set."""
+    if not runner.workload.report_copy:
+        return {}
+    copy = Runner(replace(runner.workload, prompt_set=PromptSet.copy, report_copy=False), runner.next_request)
+    copy.single(engine)
+    runs = [copy.single(engine).decode_tok_s or 0.0 for _ in range(runner.workload.repeats)]
+    return {"single_copy_tok_s": statistics.median(runs)}
 
 
 def capacity_figures(runner: Runner, engine: Engine) -> dict[str, Any]:

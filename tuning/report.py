@@ -59,7 +59,8 @@ class TrialRow:
         ubatch = min(p.get("n_ubatch") or 0, p.get("n_batch") or 0)  # as the engine ran it (clamped)
         label = (f"np{p.get('n_parallel')} b{p.get('n_batch')}/{ubatch} c{p.get('ctx_per_slot')}/slot "
                  f"{p.get('type_k')}/{p.get('type_v')} fa-{p.get('flash_attn')}")
-        return label + (f" ngl{p['n_gpu_layers']}" if "n_gpu_layers" in p else "")
+        label += f" ngl{p['n_gpu_layers']}" if "n_gpu_layers" in p else ""
+        return label + (f" spec-{p['spec_mode']}" if p.get("spec_mode", "off") != "off" else "")
 
 
 def rows_from_study(study: Any, objective: Objective = Objective.aggregate) -> list[TrialRow]:
@@ -134,7 +135,9 @@ def _flags(row: TrialRow) -> str:
 
 def trial_table(rows: list[TrialRow]) -> str:
     capacity = any("capacity_tok_s" in r.attrs for r in rows)
-    extra_head, extra_rule = (" capacity tok/s (streams) |", "---|") if capacity else ("", "")
+    copy = any("single_copy_tok_s" in r.attrs for r in rows)
+    extra_head = (" capacity tok/s (streams) |" if capacity else "") + (" copy-set single tok/s |" if copy else "")
+    extra_rule = "---|" * (capacity + copy)
     head = (f"| # | config | single tok/s | 4-way tok/s |{extra_head} TTFT ms | prefill tok/s | NLL delta "
             f"| mem pred GiB | mem meas GiB | feasible | notes |\n"
             f"|---|---|---|---|{extra_rule}---|---|---|---|---|---|---|")
@@ -142,6 +145,7 @@ def trial_table(rows: list[TrialRow]) -> str:
     for r in rows:
         a = r.attrs
         cap = f" {_num(a.get('capacity_tok_s'))} ({a.get('capacity_streams', '-')}) |" if capacity else ""
+        cap += f" {_num(a.get('single_copy_tok_s'))} |" if copy else ""
         lines.append(
             f"| {r.number} | {r.label()} | {_num(r.single)} | {_num(a.get('aggregate_tok_s'))} |{cap} "
             f"{_num(a.get('ttft_ms'))} | {_num(a.get('prefill_tok_s'), '.0f')} | {_num(a.get('nll_delta'), '+.4f')} "

@@ -70,9 +70,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per measured request")
     p.add_argument("--repeats", type=int, default=3, help="measured repeats per workload (median kept)")
-    p.add_argument("--prompt-set", choices=[s.value for s in PromptSet], default="plain",
-                   help="the workload's prompts: plain (free writing, EOS ignored) or copy (edit code, quote a text: "
-                        "where speculation's prompt lookup pays; stops at EOS)")
+    p.add_argument("--prompt-set", choices=[*(s.value for s in PromptSet), "both"], default="plain",
+                   help="the workload's prompts: plain (free writing, EOS ignored), copy (edit code, quote a text: "
+                        "where speculation's prompt lookup pays; stops at EOS), or both (the objectives on plain, "
+                        "the single stream on copy reported beside them)")
     p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     p.add_argument("--storage", help="Optuna storage URL (default sqlite:///results/optuna.db)")
     p.add_argument("--study-name", help="default: <model>-<device>-<budget>; an existing study is resumed")
@@ -267,7 +268,8 @@ def make_searcher(args: argparse.Namespace, space: SearchSpace, contexts: list[i
     )
 
 
-RECORDED = ("single_tok_s", "aggregate_tok_s", "capacity_tok_s", "capacity_streams", "capacity_curve", "ttft_ms",
+RECORDED = ("single_tok_s", "aggregate_tok_s", "capacity_tok_s", "capacity_streams", "capacity_curve",
+            "single_copy_tok_s", "ttft_ms",
             "prefill_tok_s", "nll", "nll_baseline", "nll_delta",
             "mem_predicted", "mem_measured", "mem_budget", "constraint_mem", "constraint_quality", "feasible",
             "rejected", "error", "setup_s", "weight_loads", "weight_load_s", "actor", "sm_clock_mhz",
@@ -459,7 +461,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = TrialSettings(base=base, shape=shape, budget_bytes=budget, on_gpu=on_gpu,
                              workload=Workload(gen_tokens=args.gen_tokens, repeats=args.repeats,
-                                               prompt_set=PromptSet(args.prompt_set),
+                                               prompt_set=PromptSet(args.prompt_set.replace("both", "plain")),
+                                               report_copy=args.prompt_set == "both",
                                                min_stream_tok_s=args.min_stream_tok_s),
                              max_quality_loss=args.max_quality_loss)
     searcher = make_searcher(args, space, contexts, n_layers, baseline, storage, study_name, base)
