@@ -85,17 +85,6 @@ def cap_generation(body: Any, cap: int, path: str) -> Any:
     if not present:
         body[fields[0]] = cap
     return body
-    present = False
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if key in body and value is not None:
-            present = True
-        integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-        if integral and not isinstance(value, bool) and value > cap:
-            body[key] = cap
-    if not present:
-        body["max_completion_tokens" if "messages" in body else "max_tokens"] = cap
-    return body
 
 
 RESPONSES_DONE = ("response.completed", "response.incomplete")  # the Responses API's last events

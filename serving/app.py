@@ -1,7 +1,7 @@
 """The Ray Serve app: an ingress (serving/ingress.py) that takes every HTTP request, and one engine replica
 per GPU (LlamaServer here), each one Engine behind the OpenAI-compatible routes of serving/openai.py plus
-the control routes /slots, /props and /metrics. The ingress answers /health itself, from a quick question
-to an engine replica, and relays every other request to one (serving/relay.py).
+the control routes /slots, /props and /metrics. The ingress answers /health itself, from what the engine
+replicas last told its background watch, and relays every other request to one (serving/relay.py).
 
 `serve run serving.app:main [config=FILE] [KEY=VALUE ...]` builds it: KEYs are EngineConfig fields or
 ServerOptions fields. The engine config travels as the deployment's `user_config` (the first load, and
@@ -291,8 +291,7 @@ class LlamaServer(OpenAIRoutes):
         """200 once the engine serves; 503 while loading, after a failed load, or if the engine stopped.
         (The app's ingress answers /health from health_report; this route documents it and serves a
         replica reached directly.)"""
-        report = self.health_report()
-        return JSONResponse(report.body, status_code=report.status, headers=report.headers or None)
+        return self.health_report().response()
 
     def health_report(self) -> HealthReport:
         """This replica's state for /health: read only, never waits for the engine."""

@@ -48,6 +48,9 @@ class HealthReport:
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
 
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers or None)
+
 
 NO_REPLICA = HealthReport(503, {"status": "unavailable", "error": "no engine replica is up; one is starting"},
                           {"Retry-After": "1"})
@@ -112,8 +115,7 @@ class OpenAIIngress:
     async def __call__(self, request: Request) -> Response:
         scope = request.scope
         if request.method == "GET" and route_path(scope) == HEALTH_PATH:
-            report = self._health.report()
-            return JSONResponse(report.body, status_code=report.status, headers=report.headers or None)
+            return self._health.report().response()
         refusal = refusal_of(scope, key=None)  # the key is the engine replica's to check, with CORS
         if refusal is not None:
             return error_response(refusal)

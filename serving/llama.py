@@ -24,7 +24,7 @@ numpy_was_first = "numpy" in sys.modules
 
 import ray  # noqa: E402,F401  (ray's _raylet.so must load before libllama: see above)
 import llama_cpp.llama_cpp as ll  # noqa: E402
-from llama_cpp import __version__ as _bindings_version  # noqa: E402
+from llama_cpp import __version__ as BINDINGS_VERSION  # noqa: E402,F401  (an installed package and a source tree have it)
 from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter  # noqa: E402,F401  (pure Python; for structured.py)
 
 import numpy as np  # noqa: E402
@@ -32,9 +32,6 @@ import numpy as np  # noqa: E402
 from serving.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
 from serving.errors import EngineError  # noqa: E402
 from serving.request import SamplingParams, TokenLogprob  # noqa: E402
-
-# the bindings' own version: an installed package and a source tree on PYTHONPATH (the GPU recipe) both have it
-BINDINGS_VERSION: str = _bindings_version
 
 llama_cpp = ll  # the bindings module, for the few callers outside serving/ that need a constant
 

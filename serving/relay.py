@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.api import APIError, internal_error
-from serving.openai import error_response, responses_error
+from serving.openai import DONE, error_response, responses_error
 
 log = logging.getLogger("serving")
 
@@ -81,8 +81,8 @@ async def run_relayed(app: ASGIApp, request: RelayedRequest,
     is one part and a replica that dies before the body leaves nothing half-sent. After the first part, parts
     are at least `spacing()` seconds apart (asked before each part; what comes in between travels
     together): every part costs Python work in two Serve hops that, on a small CPU, preempts the decode
-    threads. When the caller goes away (the
-    generator is closed or cancelled) the app sees `http.disconnect` and its task is cancelled.
+    threads. When the caller goes away (the generator is closed or cancelled) the app sees
+    `http.disconnect` and its task is cancelled.
     """
     messages: asyncio.Queue[Message | None] = asyncio.Queue()
     disconnected = asyncio.Event()
@@ -191,7 +191,7 @@ class RelayResponse(Response):
         """The end of a cut stream, as the route would have ended it (serving/openai.py)."""
         if self._path.endswith(RESPONSES_PATH):  # the Responses API: a typed error event, no [DONE]
             return f"event: error\ndata: {json.dumps({'type': 'error', **responses_error(err)})}\n\n".encode()
-        return f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
+        return f"data: {json.dumps(err.body())}\n\n{DONE}".encode()
 
 
 def relay_error(exc: Exception, rid: str) -> APIError:

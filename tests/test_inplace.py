@@ -112,7 +112,7 @@ def test_the_confirmation_round_measures_on_the_replica(serve_url: str, restored
     from tuning.search import confirmation_measure
 
     loads = _slots(serve_url)["weight_loads"]
-    args = Namespace(in_place_app=ServingApp("llama", 1, restored), trials=1, confirm_rounds=1)
+    args = Namespace(in_place_app=ServingApp("llama", 1, restored), trials=1, confirm_rounds=1, objective="aggregate")
     settings = SimpleNamespace(workload=Workload(gen_tokens=8, repeats=1), on_gpu=False)
     config = restored.model_copy(update={"n_parallel": 2, "n_ctx": 2048})
     with StreamingClient(serve_url) as client:

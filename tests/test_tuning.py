@@ -504,7 +504,7 @@ def test_offline_confirmation_measures_on_an_engine_of_its_own(ray_session: None
     from tuning.objective import Workload
     from tuning.search import confirmation_measure
 
-    args = Namespace(in_place_app=None, trials=1, confirm_rounds=1)
+    args = Namespace(in_place_app=None, trials=1, confirm_rounds=1, objective="aggregate")
     settings = SimpleNamespace(workload=Workload(gen_tokens=8, repeats=1), on_gpu=False)
     configs = [EngineConfig(n_parallel=1, n_ctx=1024), EngineConfig(n_parallel=2, n_ctx=2048)]
     with confirmation_measure(args, settings, "s", [Candidate(0, "a", configs[0])]) as measure:

@@ -406,7 +406,7 @@ def confirmation_measure(args: argparse.Namespace, settings: Any, study_name: st
     from tuning.objective import SpeedMeasure
 
     requests = itertools.count(10**6, 1000)  # request numbers apart from the trials'
-    second = Objective(getattr(args, "objective", Objective.aggregate.value)).key
+    second = Objective(args.objective).key
 
     def figures(result: dict[str, Any]) -> Figures:
         return Figures(float(result["single_tok_s"]), float(result[second]))
