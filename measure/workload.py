@@ -1,38 +1,57 @@
-"""The workload every measurement runs: prompts, warm-up, repeats, medians, and what each figure means.
+"""The workload every measurement runs: prompts, warm-up, repeats, interleaving, medians.
 
-The tuner's objective (tuning/objective.py) and the benchmark scripts use this module, so a figure in a
-report means the same thing wherever it was measured:
-- decode tok/s of a stream: (completion tokens - 1) / time from its first token to its last (llama-server's
-  timings.predicted_per_second);
-- TTFT: from the moment the request reached the engine to its first token (queueing included);
-- prefill tok/s: prompt tokens evaluated (not served from a slot's cache) / TTFT;
-- aggregate tok/s: all tokens of `concurrency` streams started together / wall time until the last ends;
-- capacity tok/s: the best aggregate over 1, 2, 4, ... up to the config's slots streams at once with every
-  stream's decode tok/s at least a floor (`min_stream_tok_s`), one run per stream count.
-Every prompt starts with a distinct request number, so no run is flattered by a slot's prefix cache.
+The tuner's objective (tuning/objective.py) and every benchmark script (scripts/bench_*.py) run this module
+on a target (measure/targets.py: our engine in-process, a server over HTTP, llama-server), so a figure in a
+report means the same thing wherever it was measured (definitions: measure/metrics.py).
+
+- Prompts: a fixed set per prompt set; stream i of a round always gets base prompt i (every target sees the
+  same mix), and every request starts with its own number, so no run is flattered by a slot's prefix cache.
+- Greedy; `gen_tokens` per request. The plain set ignores EOS (fixed lengths, for speed); the copy set
+  honours it (an EOS-less greedy loop would flatter speculation's prompt lookup).
+- Per concurrency level: one warm-up round per target, then `repeats` rounds with the targets interleaved
+  (A B, B A, ...) so drift on a shared machine hits every target alike; the median of the rounds is kept.
+- Capacity (what a server is bought for): the best aggregate over 1, 2, 4, ... up to the config's slots
+  streams at once with every stream's decode tok/s at least a floor (`min_stream_tok_s`), one round per
+  stream count, after the levels' warm-up.
 """
 
 from __future__ import annotations
 
-import statistics
+import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 from importlib import resources
-from typing import Protocol
+from typing import Any, Protocol
 
-from serving.request import FinishReason, GenerationChunk, SamplingParams, Usage
+from measure.metrics import RoundFigures, StreamRecord, stream_figures
 
-PLAIN = (
-    "Request {n}. Write a detailed, practical guide to maintaining a small vegetable garden through the "
-    "seasons: soil preparation, choosing what to plant, watering, dealing with pests, harvesting and "
-    "storing the crop, and preparing the beds for winter. Use clear headings and short paragraphs."
+PLAIN_PROMPTS: tuple[str, ...] = (
+    "Write a detailed, practical guide to maintaining a small vegetable garden through the seasons: soil "
+    "preparation, choosing what to plant, watering, dealing with pests, harvesting and storing the crop.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works to a ten-year-old, step by step.",
+    "List the main causes of the French Revolution and explain each briefly.",
+    "Describe the water cycle, from evaporation over the ocean to a river reaching the sea.",
+    "What are the trade-offs between trains and airplanes for a 500 km journey?",
+    "Write a polite email asking a neighbour to keep their dog quiet at night.",
+    "Explain the difference between a list and a tuple in Python, with examples.",
+    "Give a recipe for a simple vegetable soup and explain why each step matters.",
+    "Summarise the plot of a detective novel you invent, in one paragraph.",
+    "Why is the sky blue during the day and red at sunset? Explain the physics.",
+    "Describe a typical day in the life of a medieval blacksmith.",
+    "Compare renting and buying a home for a young family, pros and cons.",
+    "Write a poem about autumn leaves falling in a quiet city park.",
+    "Explain what a hash table is and why lookups are usually fast.",
+    "Describe how bees communicate the location of flowers to the hive.",
 )
-COPY_TASKS = (
-    "Request {n}. Here is a Python module. Repeat it exactly, changing only the name `IncrementalDetokenizer` "
-    "to `Detokenizer` everywhere:\n\n{text}",
-    "Request {n}. Summarise this module, quoting each docstring word for word:\n\n{text}",
+COPY_TASKS: tuple[str, ...] = (
+    "Here is a Python module. Repeat it exactly, changing only the name `IncrementalDetokenizer` to "
+    "`Detokenizer` everywhere:\n\n{text}",
+    "Summarise this module, quoting each docstring word for word:\n\n{text}",
 )
+ROUND_TIMEOUT_S = 900.0
 
 
 class PromptSet(str, Enum):
@@ -43,20 +62,12 @@ class PromptSet(str, Enum):
     copy = "copy"
 
 
-class Handle(Protocol):
-    def __iter__(self) -> Handle: ...
+@dataclass(frozen=True)
+class Prompt:
+    """One request's input: raw text for a completion, or a user message for a chat completion."""
 
-    def __next__(self) -> GenerationChunk: ...
-
-
-class Submitter(Protocol):
-    """What the workload needs of an engine (serving.engine.Engine fits)."""
-
-    def tokenize_prompt(self, text: str) -> list[int]: ...
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
-
-    def submit(self, prompt_tokens: list[int], params: SamplingParams) -> Handle: ...
+    text: str
+    chat: bool
 
 
 def source_text() -> str:
@@ -64,49 +75,83 @@ def source_text() -> str:
     return resources.files("serving").joinpath("detok.py").read_text(encoding="utf-8")
 
 
+class Prompts:
+    """Numbered prompts of one set; the numbers keep counting, so every request's prefix is new."""
+
+    def __init__(self, prompt_set: PromptSet, first: int = 1) -> None:
+        self.prompt_set = prompt_set
+        self.next_number = first
+        self._source = source_text() if prompt_set == PromptSet.copy else ""
+
+    def round(self, streams: int) -> list[Prompt]:
+        """The prompts of one round: stream i gets base prompt i, each with a fresh number."""
+        first, self.next_number = self.next_number, self.next_number + streams
+        return [self._prompt(first + i, i) for i in range(streams)]
+
+    def _prompt(self, number: int, stream: int) -> Prompt:
+        if self.prompt_set == PromptSet.plain:
+            return Prompt(f"Request {number}. {PLAIN_PROMPTS[stream % len(PLAIN_PROMPTS)]}", chat=False)
+        task = COPY_TASKS[stream % len(COPY_TASKS)].format(text=self._source)
+        return Prompt(f"Request {number}. {task}", chat=True)
+
+
+class Target(Protocol):
+    """Something that runs one streamed greedy generation and times it on the client's clock."""
+
+    name: str
+
+    async def run_stream(self, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> StreamRecord: ...
+
+
 @dataclass(frozen=True)
 class Workload:
     """The fixed measurement plan."""
 
     gen_tokens: int = 64
-    concurrency: int = 4
+    levels: tuple[int, ...] = (1, 4)  # streams at once: a lone stream, and the N-way aggregate
     repeats: int = 3
     prompt_set: PromptSet = PromptSet.plain
-    ignore_eos: bool = True  # fixed lengths for speed; the copy set stops at EOS (see params)
     min_stream_tok_s: float | None = None  # set: also measure the capacity curve with this floor per stream
     report_copy: bool = False  # also measure the single stream on the copy set (tuning/objective.py)
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.gen_tokens, temperature=0.0,
-                              ignore_eos=self.ignore_eos and self.prompt_set == PromptSet.plain)
-
-
-@dataclass(frozen=True)
-class Stream:
-    """One finished stream."""
-
-    text: str
-    usage: Usage
+    honour_eos: bool = False  # the plain set too stops at EOS (speculation's benchmark: no EOS-less loops)
 
     @property
-    def decode_tok_s(self) -> float | None:
-        return self.usage.decode_tok_s
+    def ignore_eos(self) -> bool:
+        return self.prompt_set == PromptSet.plain and not self.honour_eos
 
     @property
-    def prefill_tok_s(self) -> float | None:
-        if not self.usage.ttft_s:
-            return None
-        return (self.usage.prompt_tokens - self.usage.cached_tokens) / self.usage.ttft_s
+    def concurrency(self) -> int:
+        """The N of the N-way aggregate: the largest level."""
+        return max(self.levels)
+
+
+@dataclass
+class Level:
+    """One target at one concurrency level: every measured round, and their median."""
+
+    rounds: list[RoundFigures] = field(default_factory=list)
+
+    @property
+    def median(self) -> RoundFigures:
+        return RoundFigures.median(self.rounds)
+
+    def as_dict(self) -> dict[str, Any]:
+        """For a JSON report."""
+        return {"median": self.median.as_dict(), "rounds": [r.as_dict() for r in self.rounds]}
 
 
 @dataclass(frozen=True)
 class Speed:
-    """Medians over the repeats."""
+    """The tuner's speed figures: medians of the lone stream and of the N-way rounds."""
 
     single_tok_s: float
     aggregate_tok_s: float
     ttft_ms: float
     prefill_tok_s: float
+
+    @classmethod
+    def of(cls, single: RoundFigures, multi: RoundFigures) -> Speed:
+        return cls(single.decode_tok_s or 0.0, multi.aggregate_tok_s, single.ttft_ms, single.prefill_tok_s or 0.0)
 
 
 @dataclass(frozen=True)
@@ -120,8 +165,8 @@ class CapacityPoint:
 
 @dataclass(frozen=True)
 class Capacity:
-    """What a server is bought for: the most aggregate tok/s at any stream count up to the config's slots
-    with every stream at least `floor_tok_s` (a reader's pace); 0 when even one stream is slower."""
+    """The most aggregate tok/s at any stream count up to the config's slots with every stream at least
+    `floor_tok_s` (a reader's pace); 0 when even one stream is slower."""
 
     floor_tok_s: float
     tok_s: float
@@ -141,66 +186,55 @@ def capacity_levels(slots: int) -> list[int]:
     return [*levels, slots]
 
 
-def read(handle: Handle) -> Stream:
-    """A stream to its end; an error ends the measurement (a failed run is no figure)."""
-    parts, last = [], GenerationChunk()
-    for chunk in handle:
-        parts.append(chunk.text)
-        last = chunk
-    if last.finish_reason not in (FinishReason.stop, FinishReason.length) or last.usage is None:
-        raise RuntimeError(f"a measured request ended with {last.finish_reason}: {last.error}")
-    return Stream("".join(parts), last.usage)
+Progress = Callable[[str, int, int, RoundFigures], None]  # target, level, repeat (1-based), the round
 
 
 class Runner:
-    """Runs the workload on one engine; request numbers keep counting across calls (fresh prefixes)."""
+    """Runs a workload on targets; request numbers keep counting across calls (fresh prefixes)."""
 
-    def __init__(self, workload: Workload, first_request: int = 1) -> None:
+    def __init__(self, workload: Workload, first_request: int = 1, round_timeout_s: float = ROUND_TIMEOUT_S) -> None:
         self.workload = workload
-        self._n = first_request - 1
-        self._source = source_text() if workload.prompt_set == PromptSet.copy else ""
+        self.prompts = Prompts(workload.prompt_set, first_request)
+        self.round_timeout_s = round_timeout_s
 
-    @property
-    def next_request(self) -> int:
-        """The number the next prompt will carry (a second runner can continue from it)."""
-        return self._n + 1
+    async def round(self, target: Target, streams: int) -> RoundFigures:
+        """`streams` requests started together, each with its own prompt."""
+        return (await self.run_round(target, streams))[0]
 
-    def prompt(self, engine: Submitter) -> list[int]:
-        self._n += 1
-        if self.workload.prompt_set == PromptSet.plain:
-            return engine.tokenize_prompt(PLAIN.format(n=self._n))
-        task = COPY_TASKS[self._n % len(COPY_TASKS)].format(n=self._n, text=self._source)
-        return engine.tokenize_prompt(engine.render_chat([{"role": "user", "content": task}]))
-
-    def single(self, engine: Submitter) -> Stream:
-        return read(engine.submit(self.prompt(engine), self.workload.params()))
-
-    def concurrent(self, engine: Submitter, streams: int | None = None) -> tuple[float, list[Stream]]:
-        """`streams` (default: the workload's `concurrency`) streams at once: (total generated tokens / wall
-        time, the streams)."""
-        prompts = [self.prompt(engine) for _ in range(streams or self.workload.concurrency)]
+    async def run_round(self, target: Target, streams: int) -> tuple[RoundFigures, list[StreamRecord]]:
+        """A round's figures, and its streams' records (their text, for comparing outputs)."""
+        w = self.workload
+        prompts = self.prompts.round(streams)
         t0 = time.perf_counter()
-        done = [read(h) for h in [engine.submit(p, self.workload.params()) for p in prompts]]
-        total = sum(s.usage.completion_tokens for s in done)
-        return total / (time.perf_counter() - t0), done
+        records = await asyncio.wait_for(
+            asyncio.gather(*(target.run_stream(p, w.gen_tokens, w.ignore_eos) for p in prompts)),
+            self.round_timeout_s)
+        wall = max(r.t_end for r in records) - t0
+        return RoundFigures.of([stream_figures(r) for r in records], wall, w.gen_tokens), records
 
-    def capacity(self, engine: Submitter, slots: int, floor_tok_s: float) -> Capacity:
-        """The capacity curve up to `slots` streams (one run per stream count, after `measure`'s warm-up)."""
+    async def levels(self, targets: Sequence[Target], progress: Progress | None = None) -> dict[str, dict[int, Level]]:
+        """Per level: a warm-up round per target, then `repeats` rounds interleaved A B, B A, ..."""
+        results: dict[str, dict[int, Level]] = {t.name: {} for t in targets}
+        for streams in self.workload.levels:
+            for target in targets:
+                await self.round(target, streams)
+            for repeat in range(self.workload.repeats):
+                for target in (targets if repeat % 2 == 0 else list(reversed(targets))):
+                    figures = await self.round(target, streams)
+                    results[target.name].setdefault(streams, Level()).rounds.append(figures)
+                    if progress is not None:
+                        progress(target.name, streams, repeat + 1, figures)
+        return results
+
+    async def speed(self, target: Target) -> Speed:
+        """The levels on one target, as the tuner's figures (the lone stream, the N-way aggregate)."""
+        levels = (await self.levels([target]))[target.name]
+        return Speed.of(levels[min(levels)].median, levels[max(levels)].median)
+
+    async def capacity(self, target: Target, slots: int, floor_tok_s: float) -> Capacity:
+        """The capacity curve up to `slots` streams, one round per stream count."""
         curve = []
         for n in capacity_levels(slots):
-            aggregate, done = self.concurrent(engine, n)
-            curve.append(CapacityPoint(n, aggregate, min(s.decode_tok_s or 0.0 for s in done)))
+            figures = await self.round(target, n)
+            curve.append(CapacityPoint(n, figures.aggregate_tok_s, figures.slowest_decode_tok_s or 0.0))
         return Capacity.of(floor_tok_s, curve)
-
-    def measure(self, engine: Submitter) -> Speed:
-        """Warm up once (first-use allocations, CPU caches), then the medians of `repeats` runs."""
-        self.single(engine)
-        self.concurrent(engine)
-        singles = [self.single(engine) for _ in range(self.workload.repeats)]
-        aggregates = [self.concurrent(engine)[0] for _ in range(self.workload.repeats)]
-        return Speed(
-            single_tok_s=statistics.median(s.decode_tok_s or 0.0 for s in singles),
-            aggregate_tok_s=statistics.median(aggregates),
-            ttft_ms=statistics.median(s.usage.ttft_s or 0.0 for s in singles) * 1e3,
-            prefill_tok_s=statistics.median(s.prefill_tok_s or 0.0 for s in singles),
-        )

@@ -16,6 +16,7 @@ Random-weight models cannot measure acceptance (their greedy loops flatter looku
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -29,6 +30,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
 from measure.provenance import provenance  # noqa: E402
+from measure.targets import EngineTarget  # noqa: E402
 from measure.workload import PromptSet, Runner, Workload  # noqa: E402
 from serving.config import EngineConfig, SpecMode  # noqa: E402
 from serving.engine import Engine  # noqa: E402
@@ -37,28 +39,30 @@ from serving.engine import Engine  # noqa: E402
 def round_of(configs: dict[SpecMode, EngineConfig], prompt_set: PromptSet, args: argparse.Namespace,
              first: SpecMode, number: int) -> dict[SpecMode, dict[str, Any]]:
     """One round: the same single and concurrent requests on both configs, `first` going first."""
+    workload = Workload(gen_tokens=args.gen_tokens, levels=(1, args.concurrency), prompt_set=prompt_set,
+                        honour_eos=True)  # an EOS-less greedy loop would flatter prompt lookup
     order = [first, *(m for m in configs if m != first)]
-    out: dict[SpecMode, dict[str, Any]] = {}
-    for mode in order:
-        workload = Workload(gen_tokens=args.gen_tokens, concurrency=args.concurrency, prompt_set=prompt_set,
-                            ignore_eos=False)  # an EOS-less greedy loop would flatter prompt lookup
-        runner = Runner(workload)
-        engine = Engine(configs[mode])
-        try:
-            runner.single(engine)  # warm-up
-            runner._n = number * 1000  # noqa: SLF001 (same request numbers, so the same prompts, on both engines)
-            before = engine.stats()["counters"]
-            single = runner.single(engine)
-            runner._n = number * 1000 + 100  # noqa: SLF001
-            aggregate, streams = runner.concurrent(engine)
-            after = engine.stats()["counters"]
-        finally:
-            engine.close()
-        out[mode] = {"single_tok_s": single.decode_tok_s, "aggregate_tok_s": aggregate,
-                     "texts": [single.text] + [s.text for s in streams],
-                     "drafted": after["spec_drafted"] - before["spec_drafted"],
-                     "accepted": after["spec_accepted"] - before["spec_accepted"]}
-    return out
+    return {mode: asyncio.run(_measure(configs[mode], workload, number)) for mode in order}
+
+
+async def _measure(config: EngineConfig, workload: Workload, number: int) -> dict[str, Any]:
+    """A warm-up, then one single stream and one concurrent round; the request numbers (hence the prompts)
+    are the same on every engine of the round."""
+    engine = Engine(config)
+    target = EngineTarget(engine)
+    try:
+        await Runner(workload).round(target, 1)
+        runner = Runner(workload, first_request=number * 1000)
+        before = engine.stats()["counters"]
+        single, single_streams = await runner.run_round(target, 1)
+        multi, multi_streams = await runner.run_round(target, workload.concurrency)
+        after = engine.stats()["counters"]
+    finally:
+        engine.close()
+    return {"single_tok_s": single.decode_tok_s, "aggregate_tok_s": multi.aggregate_tok_s,
+            "texts": [s.text for s in single_streams + multi_streams],
+            "drafted": after["spec_drafted"] - before["spec_drafted"],
+            "accepted": after["spec_accepted"] - before["spec_accepted"]}
 
 
 def summarise(rounds: list[dict[SpecMode, dict[str, Any]]]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Unit tests of scripts/bench_device.py's pure parts: roofline and bandwidth arithmetic, the config rendering
-(llama-server flags and EngineConfig fields must mean the same), and the final table.
+"""Unit tests of scripts/bench_device.py's pure parts and measure/device.py's arithmetic: roofline and
+bandwidth, the named configs, and the final table.
 
 The device phases themselves need llama-server, a model and (for the figures that matter) a GPU; they are
 exercised by the CPU smoke run described in the script's docstring, not here.
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from pathlib import Path
 
 import pytest
+
+from measure.device import Bandwidth, measure_bandwidth, roofline_tok_s
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
 GiB = 1 << 30
@@ -29,31 +30,35 @@ def bd():
         sys.path.remove(str(SCRIPT.parent))
 
 
-def test_bandwidth_counts_read_and_write(bd):
-    summary = bd.bandwidth_summary(GiB, [0.5, 0.25, 1.0])
-    assert summary["bytes_moved_per_copy"] == 2 * GiB
-    assert summary["median_s"] == 0.5
-    assert summary["bytes_per_s"] == pytest.approx(4 * GiB)
-    assert summary["best_bytes_per_s"] == pytest.approx(8 * GiB)
-    assert summary["worst_bytes_per_s"] == pytest.approx(2 * GiB)
+def test_bandwidth_counts_read_and_write() -> None:
+    bw = Bandwidth.of(GiB, [0.5, 0.25, 1.0])
+    assert bw.median_s == 0.5 and bw.copies == 3
+    assert bw.bytes_per_s == pytest.approx(4 * GiB)
+    assert bw.best_bytes_per_s == pytest.approx(8 * GiB)
+    assert bw.worst_bytes_per_s == pytest.approx(2 * GiB)
 
 
-def test_bandwidth_ignores_zero_times_and_refuses_none(bd):
-    assert bd.bandwidth_summary(100, [0.0, 1.0])["copies"] == 1
+def test_bandwidth_ignores_zero_times_and_refuses_none() -> None:
+    assert Bandwidth.of(100, [0.0, 1.0]).copies == 1
     with pytest.raises(ValueError):
-        bd.bandwidth_summary(100, [0.0])
+        Bandwidth.of(100, [0.0])
 
 
-def test_roofline_matches_device_notes(bd):
+def test_roofline_matches_device_notes() -> None:
     # shared/device-notes.md: 4.18 TB/s over a 15.32 GB model -> ~273 tok/s single stream
-    assert bd.roofline_tok_s(4.18e12, 15_320_000_000) == pytest.approx(272.8, abs=0.5)
+    assert roofline_tok_s(4.18e12, 15_320_000_000) == pytest.approx(272.8, abs=0.5)
     # the seed article's own ceiling: 900 GB/s / 14.5 GB ~= 62 tok/s
-    assert bd.roofline_tok_s(900e9, 14_500_000_000) == pytest.approx(62.07, abs=0.01)
+    assert roofline_tok_s(900e9, 14_500_000_000) == pytest.approx(62.07, abs=0.01)
 
 
 @pytest.mark.parametrize("bw, per_token", [(None, 10), (1e9, None), (1e9, 0), (0.0, 10), (1e9, -5)])
-def test_roofline_missing_inputs(bd, bw, per_token):
-    assert bd.roofline_tok_s(bw, per_token) is None
+def test_roofline_missing_inputs(bw, per_token):
+    assert roofline_tok_s(bw, per_token) is None
+
+
+def test_bandwidth_measured_in_a_child_on_the_host() -> None:
+    bw = measure_bandwidth(cuda=False, gib=0.001, repeats=2, timeout_s=60)
+    assert bw.copies == 2 and bw.bytes_per_s > 0 and "numpy" in bw.method
 
 
 def test_ratio(bd):
@@ -64,39 +69,22 @@ def test_ratio(bd):
 
 
 def test_parse_configs(bd):
-    assert [c.name for c in bd.parse_configs("np4, article")] == ["np4", "article"]
+    assert bd.parse_configs("np4, article") == ["np4", "article"]
     with pytest.raises(argparse.ArgumentTypeError, match="choose from"):
         bd.parse_configs("article,nope")
     with pytest.raises(argparse.ArgumentTypeError):
         bd.parse_configs(" , ")
 
 
-def test_article_flags_are_the_articles(bd):
-    args = bd.CONFIGS["article"].server_args()
-    assert " ".join(args) == "-ngl 99 -c 4096 -fa on -ctk q8_0 -ctv q8_0 -np 2 -b 512 -ub 512"
-    assert bd.CONFIGS["np4"].server_args(threads=8)[-2:] == ["-t", "8"]
-    np4 = " ".join(bd.CONFIGS["np4"].server_args())
-    assert "-np 4" in np4 and "-c 8192" in np4
-
-
-@pytest.mark.parametrize("name", ["article", "np4"])
-def test_engine_fields_mean_the_same_as_the_flags(bd, name):
-    from serving.config import EngineConfig
-
-    cfg = bd.CONFIGS[name]
-    flags = cfg.server_args(threads=3)
-    flag = {flags[i]: flags[i + 1] for i in range(0, len(flags), 2)}
-    config = EngineConfig(**cfg.engine_fields(Path("/models/x.gguf"), threads=3))
-    assert config.n_ctx == int(flag["-c"]) and config.n_parallel == int(flag["-np"])
-    assert config.n_batch == int(flag["-b"]) and config.n_ubatch == int(flag["-ub"])
-    assert config.type_k.value == flag["-ctk"] and config.type_v.value == flag["-ctv"]
-    assert config.flash_attn.value == flag["-fa"] and config.n_gpu_layers == -1 and flag["-ngl"] == "99"
-    assert config.n_threads == int(flag["-t"]) and config.model == Path("/models/x.gguf")
+def test_the_named_configs_are_the_articles(bd):
+    article, np4 = bd.CONFIGS["article"], bd.CONFIGS["np4"]
+    assert (article.n_ctx, article.n_parallel, article.n_batch, article.type_k.value) == (4096, 2, 512, "q8_0")
+    assert (np4.n_ctx, np4.n_parallel, np4.n_batch, np4.flash_attn.value) == (8192, 4, 512, "on")
 
 
 def _results(single: float, agg: float, ttft: float) -> dict:
-    return {"1": {"median": {"decode_tok_s_per_stream": single, "aggregate_tok_s": single, "ttft_ms_mean": ttft}},
-            "4": {"median": {"decode_tok_s_per_stream": agg / 4, "aggregate_tok_s": agg, "ttft_ms_mean": 99.0}}}
+    return {"1": {"median": {"decode_tok_s": single, "aggregate_tok_s": single, "ttft_ms": ttft}},
+            "4": {"median": {"decode_tok_s": agg / 4, "aggregate_tok_s": agg, "ttft_ms": 99.0}}}
 
 
 def _report() -> dict:
@@ -151,15 +139,3 @@ def test_format_table_empty(bd):
 def test_describe_error_names_the_limit(bd):
     assert bd.describe_error(TimeoutError(), 600) == "TimeoutError: phase exceeded 600 s"
     assert bd.describe_error(ValueError("bad"), 600) == "ValueError: bad"
-
-
-def test_bandwidth_worker_host(bd, capsys):
-    assert bd.main(["--bandwidth-worker", "cpu", "--bw-gib", "0.001", "--bw-repeats", "2"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["device"] == "cpu" and out["copies"] == 2 and out["bytes_per_s"] > 0
-
-
-def test_llama_cpp_commit(bd):
-    version = "version: 0.5.0-dev (build 1, commit 0c1e570) | built with GNU 12.2.0 for Linux x86_64"
-    assert bd.llama_cpp_commit(version) == "0c1e570"
-    assert bd.llama_cpp_commit("version: 1") is None and bd.llama_cpp_commit(None) is None

@@ -159,16 +159,10 @@ def test_changing_cpu_repack_reloads_the_weights() -> None:
     assert auto.same_weights(EngineConfig(cpu_repack="auto", n_ctx=8192))
 
 
-def test_bench_serving_gives_llama_server_the_same_decision() -> None:
-    """scripts/bench_serving.py starts llama-server with --no-repack exactly where our engine repacks nothing."""
-    import importlib.util
+def test_llama_server_gets_the_same_repack_decision() -> None:
+    """The benchmarks start llama-server with --no-repack exactly where our engine repacks nothing."""
+    from measure.targets import repack_server_args
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving_for_repack", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(bench)
-    assert bench.repack_server_args({"cpu_repack": "off", "n_ctx": 1}, ["-np", "4"]) == ["--no-repack"]
-    assert bench.repack_server_args({"cpu_repack": "on"}, []) == []
-    assert bench.repack_server_args({"cpu_repack": "off"}, ["--repack"]) == []  # the user's own flag wins
+    assert repack_server_args(EngineConfig(cpu_repack="off"), ["-np", "4"]) == ["--no-repack"]
+    assert repack_server_args(EngineConfig(cpu_repack="on"), []) == []
+    assert repack_server_args(EngineConfig(cpu_repack="off"), ["--repack"]) == []  # the caller's own flag wins

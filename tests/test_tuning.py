@@ -412,18 +412,21 @@ def test_parse_bytes() -> None:
 def test_measured_engine_memory_is_near_the_prediction(shape: ModelShape) -> None:
     from serving.engine import Engine
     from serving.request import SamplingParams
-    from tuning.device import rss_bytes
+    from measure.device import rss_bytes
 
     config = EngineConfig(n_parallel=1, n_ctx=1024, n_batch=256, n_ubatch=256)
     predicted = predict(shape, config, on_gpu=False)
     gc.collect()
     before = rss_bytes()
+    assert before is not None
     engine = Engine(config)
     try:
         for _ in engine.submit(engine.tokenize_prompt("Hello, how are you today?"),
                                SamplingParams(max_tokens=8, temperature=0.0)):
             pass
-        grown = rss_bytes() - before
+        after = rss_bytes()
+        assert after is not None
+        grown = after - before
     finally:
         engine.close()
     ratio = grown / predicted.total

@@ -3,8 +3,11 @@ a real measurement on the embedded model."""
 
 from __future__ import annotations
 
+import asyncio
+
+from measure.targets import EngineTarget
+from measure.workload import Capacity, CapacityPoint, PromptSet, Runner, Workload, capacity_levels
 from serving.engine import Engine
-from measure.workload import Capacity, CapacityPoint, Runner, Workload, capacity_levels
 
 
 def test_the_curve_runs_at_powers_of_two_and_the_slot_count() -> None:
@@ -24,12 +27,39 @@ def test_capacity_is_the_best_aggregate_whose_slowest_stream_keeps_the_floor() -
 
 
 def test_capacity_measured_on_the_engine(engine: Engine) -> None:
-    runner = Runner(Workload(gen_tokens=8, repeats=1))
-    low = runner.capacity(engine, engine.config.n_parallel, floor_tok_s=0.1)
+    runner, target = Runner(Workload(gen_tokens=8, repeats=1)), EngineTarget(engine)
+    low = asyncio.run(runner.capacity(target, engine.config.n_parallel, floor_tok_s=0.1))
     assert [p.streams for p in low.curve] == capacity_levels(engine.config.n_parallel)
     assert low.tok_s > 0 and low.streams in capacity_levels(engine.config.n_parallel)
     assert all(p.aggregate_tok_s > 0 and p.slowest_tok_s > 0 for p in low.curve)
-    assert runner.capacity(engine, 2, floor_tok_s=1e9).tok_s == 0.0
+    assert asyncio.run(runner.capacity(target, 2, floor_tok_s=1e9)).tok_s == 0.0
+
+
+def test_levels_on_the_engine_warm_up_interleave_and_keep_every_round(engine: Engine) -> None:
+    """Two targets on one engine: every level measured `repeats` times per target after a warm-up, the
+    prompts fresh (no prefix cache hit), the figures whole."""
+    workload = Workload(gen_tokens=6, levels=(1, 2), repeats=2)
+    runner = Runner(workload, first_request=500)
+    seen: list[tuple[str, int, int]] = []
+    results = asyncio.run(runner.levels([EngineTarget(engine, "a"), EngineTarget(engine, "b")],
+                                        lambda name, level, repeat, _: seen.append((name, level, repeat))))
+    assert seen == [("a", 1, 1), ("b", 1, 1), ("b", 1, 2), ("a", 1, 2), ("a", 2, 1), ("b", 2, 1), ("b", 2, 2),
+                    ("a", 2, 2)]
+    for levels in results.values():
+        assert [len(levels[n].rounds) for n in (1, 2)] == [2, 2]
+        single = levels[1].median
+        assert single.completion_tokens == 6 and single.short_streams == 0  # EOS ignored: fixed lengths
+        assert single.decode_tok_s and single.decode_tok_s > 0 and single.ttft_ms > 0
+        assert single.prefill_tok_s and single.prefill_tok_s > 0
+        assert levels[2].median.streams == 2 and levels[2].median.aggregate_tok_s > 0
+    assert runner.prompts.next_number == 500 + 2 * 3 * 1 + 2 * 3 * 2  # 2 targets x (warm-up + 2) rounds x streams
+    assert engine.stats()["counters"]["prompt_tokens_cached"] < engine.stats()["counters"]["prompt_tokens"] / 2
+
+
+def test_the_copy_set_runs_as_chat_and_stops_at_eos(engine: Engine) -> None:
+    speed = asyncio.run(Runner(Workload(gen_tokens=24, levels=(1,), repeats=1, prompt_set=PromptSet.copy))
+                        .speed(EngineTarget(engine)))
+    assert speed.single_tok_s > 0 and speed.aggregate_tok_s > 0 and speed.ttft_ms > 0
 
 
 def test_provenance_takes_the_commit_it_is_told(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -9,11 +9,12 @@ actor (tuning/trial.py), or inside a serving replica (`InPlaceMeasure`, sent the
 
 from __future__ import annotations
 
-import statistics
+import asyncio
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from typing import Any
 
+from measure.targets import EngineTarget
 from measure.workload import PromptSet, Runner, Speed, Workload
 from serving.config import CacheType
 from serving.engine import Engine
@@ -46,11 +47,10 @@ def baseline_nll(engine: Engine) -> float:
 
 
 def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline: float | None) -> dict[str, Any]:
-    """Speed, memory and quality of `engine` as it runs now; `baseline` (the f16 NLL) is measured when None."""
+    """Speed, memory and quality of `engine` as it runs now; `baseline` (the f16 NLL) is measured when None.
+    Runs the workload in an event loop of its own: call it from a thread that has none running."""
     mem_measured = probe.memory_in_use()
-    speed = runner.measure(engine)
-    capacity = capacity_figures(runner, engine)
-    copy = copy_figures(runner, engine)
+    speed, capacity, copy = asyncio.run(_speed_figures(runner, EngineTarget(engine)))
     nll = engine.score(quality_tokens(engine))
     reference = baseline_nll(engine) if baseline is None else baseline
     return {
@@ -62,23 +62,29 @@ def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline:
     }
 
 
-def copy_figures(runner: Runner, engine: Engine) -> dict[str, Any]:
+async def _speed_figures(runner: Runner, target: EngineTarget) -> tuple[Speed, dict[str, Any], dict[str, Any]]:
+    speed = await runner.speed(target)
+    return speed, await capacity_figures(runner, target), await copy_figures(runner, target)
+
+
+async def copy_figures(runner: Runner, target: EngineTarget) -> dict[str, Any]:
     """With `report_copy`: the single stream on the copy prompt set too (where prompt lookup pays), the median
     decode tok/s of `repeats` runs after a warm-up; the objectives stay on the workload's own set."""
-    if not runner.workload.report_copy:
+    workload = runner.workload
+    if not workload.report_copy:
         return {}
-    copy = Runner(replace(runner.workload, prompt_set=PromptSet.copy, report_copy=False), runner.next_request)
-    copy.single(engine)
-    runs = [copy.single(engine).decode_tok_s or 0.0 for _ in range(runner.workload.repeats)]
-    return {"single_copy_tok_s": statistics.median(runs)}
+    copy = Runner(replace(workload, prompt_set=PromptSet.copy, levels=(1,), report_copy=False),
+                  runner.prompts.next_number)
+    speed = await copy.speed(target)
+    return {"single_copy_tok_s": speed.single_tok_s}
 
 
-def capacity_figures(runner: Runner, engine: Engine) -> dict[str, Any]:
+async def capacity_figures(runner: Runner, target: EngineTarget) -> dict[str, Any]:
     """The capacity figure and curve at the config's slot count, when the workload asks for them."""
     floor = runner.workload.min_stream_tok_s
     if floor is None:
         return {}
-    capacity = runner.capacity(engine, engine.config.n_parallel, floor)
+    capacity = await runner.capacity(target, target.engine.config.n_parallel, floor)
     return {"capacity_tok_s": capacity.tok_s, "capacity_streams": capacity.streams,
             "capacity_curve": [asdict(p) for p in capacity.curve]}
 
@@ -99,7 +105,6 @@ class InPlaceMeasure:
         return measure_engine(engine, Runner(self.workload, self.first_request), probe, self.baseline)
 
 
-
 @dataclass(frozen=True)
 class SpeedMeasure:
     """The workload's speed alone (no memory, no quality), for the confirmation round (tuning/confirm.py);
@@ -109,5 +114,8 @@ class SpeedMeasure:
     first_request: int
 
     def __call__(self, engine: Engine) -> dict[str, Any]:
-        runner = Runner(self.workload, self.first_request)
-        return {**asdict(runner.measure(engine)), **capacity_figures(runner, engine)}
+        return asyncio.run(self._measure(Runner(self.workload, self.first_request), EngineTarget(engine)))
+
+    @staticmethod
+    async def _measure(runner: Runner, target: EngineTarget) -> dict[str, Any]:
+        return {**asdict(await runner.speed(target)), **await capacity_figures(runner, target)}

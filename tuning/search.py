@@ -24,7 +24,7 @@ os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")  # Ctrl-C reaches main
 
 from serving import llama as _llama  # noqa: E402,F401  (load order: ray before libllama, see serving/llama.py)
 from serving.config import CacheType, EngineConfig, FlashAttn, load_engine_config  # noqa: E402
-from tuning.device import gpu_memory_total  # noqa: E402
+from measure.device import gpu_memory_total  # noqa: E402
 from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
 from measure.workload import PromptSet  # noqa: E402
 from tuning.report import Objective  # noqa: E402

@@ -1,0 +1,193 @@
+"""measure/ without a server: SSE parsing on recorded streams of both servers, the metric arithmetic and the
+prompts every target gets (the one measurement definition the tuner and the benchmarks share)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from measure.metrics import RoundFigures, StreamFigures, StreamRecord, percentile, ratios, stream_figures
+from measure.sse import StreamError, interpret_chunk, iter_sse_data
+from measure.targets import check_loopback_url, check_server_args, llama_server_flags
+from measure.workload import COPY_TASKS, PLAIN_PROMPTS, Prompts, PromptSet, Workload
+from serving.config import EngineConfig, load_engine_config
+
+
+def _event(obj: dict) -> list[str]:
+    return [f"data: {json.dumps(obj)}", ""]
+
+
+def completions_stream() -> list[str]:
+    """llama-server's /v1/completions: three content chunks (the 2nd holds two tokens' text: UTF-8 held
+    back), a ping, then the final chunk with usage."""
+    base = {"object": "text_completion", "model": "m", "id": "cmpl-1", "system_fingerprint": "b1-0c1e570"}
+    lines: list[str] = []
+    for text in ("Hello", " wörld", "!"):
+        lines += _event({**base, "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}]})
+    lines += [":", ""]
+    lines += _event({**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}],
+                     "usage": {"completion_tokens": 4, "prompt_tokens": 9, "total_tokens": 13,
+                               "prompt_tokens_details": {"cached_tokens": 3}}})
+    return lines + ["data: [DONE]", ""]
+
+
+def chat_stream() -> list[str]:
+    """A chat stream: a role-only opening delta, content, a finish chunk, a usage chunk without choices."""
+    base = {"object": "chat.completion.chunk", "model": "m", "id": "chatcmpl-1"}
+    lines = _event({**base, "choices": [{"index": 0, "finish_reason": None,
+                                         "delta": {"role": "assistant", "content": None}}]})
+    for text in ("A", "B"):
+        lines += _event({**base, "choices": [{"index": 0, "finish_reason": None, "delta": {"content": text}}]})
+    lines += _event({**base, "choices": [{"index": 0, "finish_reason": "length", "delta": {}}]})
+    lines += _event({**base, "choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 5}})
+    return lines + ["data: [DONE]", ""]
+
+
+def test_sse_decoder_handles_comments_multiline_and_missing_final_blank() -> None:
+    lines = [": ping", "", "event: x", "data: {\"a\":", "data: 1}", "", "data:no-space"]
+    assert list(iter_sse_data(lines)) == ['{"a":\n1}', "no-space"]
+
+
+def test_completions_stream_parsing() -> None:
+    payloads = list(iter_sse_data(completions_stream()))
+    assert payloads[-1] == "[DONE]"
+    chunks = [interpret_chunk(p, chat=False) for p in payloads[:-1]]
+    assert [c.text for c in chunks] == ["Hello", " wörld", "!", ""]
+    assert [c.has_output for c in chunks] == [True, True, True, False]
+    final = chunks[-1]
+    assert final.finish_reason == "length" and final.usage is not None
+    assert (final.usage.completion_tokens, final.usage.prompt_tokens, final.usage.cached_tokens) == (4, 9, 3)
+    assert chunks[0].fingerprint == "b1-0c1e570"
+
+
+def test_chat_stream_role_delta_is_not_output_and_usage_chunk_has_no_choices() -> None:
+    chunks = [interpret_chunk(p, chat=True) for p in list(iter_sse_data(chat_stream()))[:-1]]
+    assert [c.has_output for c in chunks] == [False, True, True, False, False]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+    assert chunks[-2].finish_reason == "length"
+
+
+def test_an_error_event_or_a_non_object_is_a_stream_error() -> None:
+    with pytest.raises(StreamError, match="boom"):
+        interpret_chunk(json.dumps({"error": {"code": 500, "message": "boom"}}), chat=False)
+    with pytest.raises(StreamError):
+        interpret_chunk("[1, 2]", chat=True)
+
+
+def test_figures_from_a_recorded_completions_stream() -> None:
+    """Usage says 4 tokens in 3 output chunks: each chunk weighs the average 4/3."""
+    record = StreamRecord(t_start=10.0)
+    times = iter([10.5, 10.6, 10.9, 11.0])
+    for payload in list(iter_sse_data(completions_stream()))[:-1]:
+        record.absorb(interpret_chunk(payload, chat=False), next(times))
+    f = stream_figures(record)
+    assert (f.completion_tokens, f.prompt_tokens, f.cached_tokens) == (4, 9, 3)
+    assert f.ttft_s == pytest.approx(0.5)
+    assert f.decode_tok_s == pytest.approx(3 / 0.4)  # (4 - 1) / (10.9 - 10.5)
+    assert f.itl_s == pytest.approx((0.1 * 3 / 4, 0.3 * 3 / 4))
+    assert f.prefill_tok_s == pytest.approx((9 - 3) / 0.5)
+    assert record.finish_reason == "length" and record.text == "Hello wörld!"
+
+
+def test_figures_with_explicit_token_counts_and_no_usage() -> None:
+    record = StreamRecord(t_start=0.0)
+    for t, n in ((0.2, 1), (0.3, 1), (0.5, 4)):  # an engine that sends 4 tokens in one chunk
+        record.add_output(t, n, "x" * n)
+    f = stream_figures(record)
+    assert f.completion_tokens == 6
+    assert f.itl_s == pytest.approx((0.1, 0.05))
+    assert f.decode_tok_s == pytest.approx(5 / 0.3)
+    assert f.prefill_tok_s is None
+
+
+def test_figures_fall_back_to_counting_chunks() -> None:
+    record = StreamRecord(t_start=0.0)
+    for t in (1.0, 1.5, 2.0):
+        record.add_output(t, None, "y")
+    f = stream_figures(record)
+    assert f.completion_tokens == 3 and f.decode_tok_s == pytest.approx(2.0) and f.itl_s == pytest.approx((0.5, 0.5))
+
+
+def test_a_stream_without_output_is_an_error() -> None:
+    with pytest.raises(StreamError):
+        stream_figures(StreamRecord(t_start=0.0))
+
+
+def test_round_figures_and_their_median() -> None:
+    s1 = StreamFigures(0.1, 10.0, 8, 5, 0, (0.1, 0.2, 0.3))
+    s2 = StreamFigures(0.3, 20.0, 6, 5, None, (0.4,))
+    r = RoundFigures.of([s1, s2], wall_s=2.0, requested_tokens=8)
+    assert r.aggregate_tok_s == pytest.approx(7.0)
+    assert r.decode_tok_s == pytest.approx(15.0) and r.slowest_decode_tok_s == 10.0
+    assert r.ttft_ms == pytest.approx(200.0) and r.ttft_ms_max == pytest.approx(300.0)
+    assert r.itl_ms_p50 == pytest.approx(250.0)
+    assert r.short_streams == 1
+    assert r.prefill_tok_s == pytest.approx((50 + 5 / 0.3) / 2)
+    rounds = [RoundFigures.of([s1], 1.0, 8), RoundFigures.of([s1], 2.0, 8), RoundFigures.of([s1], 4.0, 8)]
+    assert RoundFigures.median(rounds).aggregate_tok_s == pytest.approx(4.0)
+    no_itl = RoundFigures.of([StreamFigures(0.1, None, 1, None, None, ())], 1.0, 8)
+    assert RoundFigures.median([no_itl, r]).itl_ms_p50 is None  # missing in one round: missing
+    with pytest.raises(ValueError):
+        RoundFigures.median([])
+
+
+def test_ratios() -> None:
+    a = RoundFigures.of([StreamFigures(0.05, 9.0, 90, None, None, ())], 1.0, 90)
+    b = RoundFigures.of([StreamFigures(0.025, 10.0, 100, None, None, (0.002,))], 1.0, 100)
+    r = ratios(a, b)
+    assert r["aggregate_tok_s"] == pytest.approx(0.9) and r["decode_tok_s"] == pytest.approx(0.9)
+    assert r["ttft_ms"] == pytest.approx(2.0) and r["itl_ms_p50"] is None
+
+
+@pytest.mark.parametrize(("q", "expected"), [(0, 1.0), (50, 2.5), (95, 3.85), (100, 4.0), (25, 1.75)])
+def test_percentile_matches_linear_interpolation(q: float, expected: float) -> None:
+    assert percentile([4.0, 1.0, 3.0, 2.0], q) == pytest.approx(expected)
+
+
+def test_percentile_edge_cases() -> None:
+    assert math.isnan(percentile([], 50))
+    assert percentile([7.0], 95) == 7.0
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_prompts_are_fresh_and_every_round_gets_the_same_mix() -> None:
+    prompts = Prompts(PromptSet.plain, first=7)
+    first, second = prompts.round(4), prompts.round(4)
+    texts = [p.text for p in first + second]
+    assert len(set(texts)) == 8 and texts[0].startswith("Request 7. ") and texts[4].startswith("Request 11. ")
+    assert [p.text.split(". ", 1)[1] for p in first] == [p.text.split(". ", 1)[1] for p in second] \
+        == list(PLAIN_PROMPTS[:4])
+    assert not any(p.chat for p in first) and prompts.next_number == 15
+    copy = Prompts(PromptSet.copy).round(2)
+    assert all(p.chat for p in copy) and "class IncrementalDetokenizer" in copy[0].text
+    assert copy[1].text.startswith("Request 2. " + COPY_TASKS[1].split("{text}")[0])
+
+
+def test_the_plain_set_ignores_eos_and_the_copy_set_honours_it() -> None:
+    assert Workload().ignore_eos and not Workload(prompt_set=PromptSet.copy).ignore_eos
+    assert Workload(levels=(1, 2, 8)).concurrency == 8
+
+
+def test_loopback_only() -> None:
+    assert check_loopback_url("http://127.0.0.1:8000/v1/") == "http://127.0.0.1:8000/v1"
+    assert check_loopback_url("http://localhost:8000/v1") == "http://localhost:8000/v1"
+    for bad in ("http://10.0.0.1:8000/v1", "ftp://127.0.0.1/v1", "127.0.0.1:8000"):
+        with pytest.raises(ValueError):
+            check_loopback_url(bad)
+
+
+def test_llama_server_flags_mean_the_engine_config() -> None:
+    """The article's line: llama-server -ngl 99 -c 4096 -fa on -ctk q8_0 -ctv q8_0 -np 2 -b 512."""
+    article = load_engine_config(Path(__file__).resolve().parents[1] / "configs" / "article.yaml",
+                                 {"cpu_repack": "on", "n_threads": 3})
+    flags = llama_server_flags(article)
+    flag = {flags[i]: flags[i + 1] for i in range(0, len(flags), 2)}
+    assert flag == {"-ngl": "999", "-c": "4096", "-np": "2", "-b": "512", "-ub": "512", "-ctk": "q8_0",
+                    "-ctv": "q8_0", "-fa": "on", "-t": "3"}
+    assert llama_server_flags(EngineConfig(cpu_repack="off"))[-1] == "--no-repack"
+    with pytest.raises(ValueError, match="--port"):
+        check_server_args(["-np", "4", "--port", "1"])
