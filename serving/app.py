@@ -46,6 +46,7 @@ from serving.metrics import CONTENT_TYPE, ReplicaMetrics
 from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middleware
 from serving.relay import RelayedPart, RelayedRequest, run_relayed
 from serving.request import SamplingParams
+from serving.routing import IN_TRIAL, ROUTER, ROUTING_STATS_PERIOD_S
 from serving.trials import Measure, TrialHost
 
 log = logging.getLogger("serving")
@@ -285,6 +286,10 @@ class LlamaServer(OpenAIRoutes):
         """A trial of an in-place study, on this replica's engine and weights (serving/trials.py)."""
         return await self._trials.run_trial(study, trials, EngineConfig(**config), measure)
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve polls this for the request router (serving/routing.py): whether a trial holds the engine."""
+        return {IN_TRIAL: self._trials.busy_with_trials}
+
     # -- control routes: they read state only, never take a slot or wait for the engine --------------
     @api.get("/health", responses={503: {"description": "loading, the model failed to load, or no replica is up"}})
     async def health(self) -> JSONResponse:
@@ -403,6 +408,8 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
         max_queued_requests=options.max_queued_requests,
         ray_actor_options=actor_options,
         user_config={"engine": engine_config.to_yaml_dict()},
+        request_router_config={"request_router_class": ROUTER,
+                               "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S},
     )
     engines = deployment.bind(options.model_dump(), ConfigChannel.bind())  # type: ignore[attr-defined]
     ingress = OpenAIIngress.options(  # type: ignore[attr-defined]

@@ -60,6 +60,7 @@ class TrialHost:
         self.study: Study | None = None
         self._waiting = 0  # clients waiting for their turn
         self._passing = 0  # clients between their turn and their submit
+        self._trials = 0  # trials running or waiting for their turn
 
     # -- clients -------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -96,8 +97,21 @@ class TrialHost:
             await asyncio.to_thread(engine.reconfigure, study.serving)
 
     # -- trials --------------------------------------------------------------------------------------
+    @property
+    def busy_with_trials(self) -> bool:
+        """A trial runs here or waits for its turn: new clients would wait (serving/routing.py sends them
+        elsewhere when it can)."""
+        return self._trials > 0
+
     async def run_trial(self, study: str, trials: int, config: EngineConfig, measure: Measure) -> dict[str, Any]:
         """The next trial of `study` (of `trials`) here: the engine to itself, rebuilt with `config`, measured."""
+        self._trials += 1
+        try:
+            return await self._run_trial(study, trials, config, measure)
+        finally:
+            self._trials -= 1
+
+    async def _run_trial(self, study: str, trials: int, config: EngineConfig, measure: Measure) -> dict[str, Any]:
         async with self._lock:
             engine = self._engine()
             current = self.study

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -49,6 +50,8 @@ def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatc
     assert d.max_ongoing_requests == 256 + 17 + 16
     assert d.max_queued_requests == 17
     assert d.user_config == {"engine": config.to_yaml_dict()}
+    # routed around replicas running an in-place trial (serving/routing.py)
+    assert d._deployment_config.request_router_config.request_router_class == "serving.routing:TrialAwareRouter"
     # the replicas' second argument is the app's ConfigChannel
     channel = deployment_of(d.init_args[1])
     assert channel.name == CHANNEL_NAME and channel.num_replicas == 1
@@ -288,6 +291,50 @@ def test_two_replicas_share_the_load(two: str) -> None:
     print(f"requests finished per replica: {finished}")
     assert sum(finished.values()) >= 8
     assert all(s["weight_loads"] == 1 for s in after.values())
+
+
+@pytest.mark.timeout(300)
+def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_path: Path) -> None:
+    """Serve routes around a replica running an in-place trial (serving/routing.py): every client request
+    sent during the trial is served by the other replica, none waits for the trial."""
+    from ray import serve
+
+    from serving.routing import ROUTING_STATS_PERIOD_S
+
+    started, gate = tmp_path / "trial-started", tmp_path / "end-the-trial"
+
+    def hold(engine: Any) -> dict[str, Any]:  # the trial's "measurement": runs until the test ends it
+        started.touch()
+        while not gate.exists():
+            time.sleep(0.05)
+        return {"replica": serve.get_replica_context().replica_id.unique_id}
+
+    before = slots_by_replica(two)
+    assert len(before) == 2
+    handle = serve.get_deployment_handle(serving_app.DEPLOYMENT_NAME, app_name=APP)
+    trial = handle.tune_trial.remote("routing", 1, next(iter(before.values()))["config"], hold)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started.exists(), "the trial did not start"
+        time.sleep(4 * ROUTING_STATS_PERIOD_S)  # the router's view follows the replicas' reports
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                return await asyncio.gather(*(complete(http, two, i) for i in range(6)))
+
+        responses = asyncio.run(burst())  # a request sent to the replica in the trial would wait for the gate
+    finally:
+        gate.touch()
+    assert [r.status_code for r in responses] == [200] * 6
+    assert all(assert_generated(r.json()) for r in responses)
+    busy = trial.result(timeout_s=120)["replica"]
+    after = wait_for_replicas(two, 60)  # the router prefers the replica it last saw idle: ask until both answer
+    finished = {k: after[k]["counters"]["requests_finished"] - before[k]["counters"]["requests_finished"]
+                for k in before}
+    (free,) = set(before) - {busy}
+    assert finished == {busy: 0, free: 6}, finished
 
 
 @pytest.mark.timeout(300)

@@ -110,15 +110,18 @@ def test_a_trial_waits_for_admitted_requests_and_for_clients_on_their_way() -> N
 
         c = asyncio.create_task(client())
         await in_turn.wait()
+        assert not host.busy_with_trials
         trial = asyncio.create_task(host.run_trial("s", 1, TRIAL, lambda e: order.append("measured") or {}))
         await asyncio.sleep(0.15)
         assert order == [], "the trial waits for the client that is on its way"
+        assert host.busy_with_trials, "a waiting trial already steers new clients elsewhere (serving/routing.py)"
         leave.set()
         await c
         await asyncio.sleep(0.15)
         assert order == ["client submitted"], "and for the request the engine is running"
         engine.busy = 0
         await trial
+        assert not host.busy_with_trials
         return order
 
     assert asyncio.run(scenario()) == ["client submitted", "measured"]
