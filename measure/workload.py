@@ -11,8 +11,8 @@ report means the same thing wherever it was measured (definitions: measure/metri
 - Per concurrency level: one warm-up round per target, then `repeats` rounds with the targets interleaved
   (A B, B A, ...) so drift on a shared machine hits every target alike; the median of the rounds is kept.
 - Capacity (what a server is bought for): the best aggregate over 1, 2, 4, ... up to the config's slots
-  streams at once with every stream's decode tok/s at least a floor (`min_stream_tok_s`), one round per
-  stream count, after the levels' warm-up.
+  streams at once with every stream's decode tok/s at least a floor (`min_stream_tok_s`), one measured
+  round per stream count after a warm-up round of its own.
 """
 
 from __future__ import annotations
@@ -232,9 +232,11 @@ class Runner:
         return Speed.of(levels[min(levels)].median, levels[max(levels)].median)
 
     async def capacity(self, target: Target, slots: int, floor_tok_s: float) -> Capacity:
-        """The capacity curve up to `slots` streams, one round per stream count."""
+        """The capacity curve up to `slots` streams: per stream count a warm-up round (a batch shape the
+        engine has not run yet costs a first time: CUDA graphs, buffers), then one measured round."""
         curve = []
         for n in capacity_levels(slots):
+            await self.round(target, n)
             figures = await self.round(target, n)
             curve.append(CapacityPoint(n, figures.aggregate_tok_s, figures.slowest_decode_tok_s or 0.0))
         return Capacity.of(floor_tok_s, curve)

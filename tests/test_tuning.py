@@ -16,7 +16,7 @@ import yaml
 from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
 from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, embedded_model_path, load_engine_config
 from tuning.memory import GiB, ModelShape, parse_bytes, predict
-from tuning.report import TrialRow, pareto_front, pick
+from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
 from tuning.space import SearchSpace, suggest, to_engine_config
 
 SMALL_SPACE = {
@@ -299,6 +299,50 @@ def test_pick_by_preference() -> None:
     assert pick([row(0, 100.0, 10.0), row(1, 90.0, 500.0)], "balanced").number == 0
     # exactly at the 5% line counts as within
     assert pick([row(0, 100.0, 10.0), row(1, 95.0, 500.0)], "balanced").number == 1
+
+
+def test_an_answered_proposal_is_not_a_second_point_of_the_front() -> None:
+    answered = TrialRow(6, {"n_parallel": 1}, {"single_tok_s": 96.0, "aggregate_tok_s": 180.0, "feasible": True,
+                                               "answered_from": 1}, False)
+    assert [r.number for r in pareto_front([*ROWS, answered])] == [0, 1, 2]
+    assert "answered from #1" in trial_table([answered])
+
+
+def capacity_row(n: int, slots: int, curve: list[tuple[int, float, float]], capacity: float) -> TrialRow:
+    return TrialRow(n, {"n_parallel": slots, "n_batch": 512, "n_ubatch": 512, "ctx_per_slot": 2048},
+                    {"single_tok_s": curve[0][1], "aggregate_tok_s": curve[-1][1], "feasible": True,
+                     "capacity_tok_s": capacity, "capacity_streams": curve[-1][0],
+                     "capacity_curve": [{"streams": s, "aggregate_tok_s": a, "slowest_tok_s": w}
+                                        for s, a, w in curve]}, False)
+
+
+def test_the_capacity_section_draws_the_best_curve_per_slot_count(tmp_path: Path) -> None:
+    rows = [capacity_row(0, 2, [(1, 100.0, 100.0), (2, 170.0, 85.0)], 170.0),
+            capacity_row(1, 2, [(1, 90.0, 90.0), (2, 150.0, 75.0)], 150.0),
+            capacity_row(2, 16, [(1, 100.0, 100.0), (16, 640.0, 41.0)], 640.0),
+            row(3, 100.0, 100.0)]
+    assert [r.number for r in best_curves(rows)] == [0, 2]
+    assert plot_capacity(rows, 20.0, tmp_path / "capacity.png") and (tmp_path / "capacity.png").stat().st_size > 0
+    assert not plot_capacity([row(0, 1.0, 1.0)], 20.0, tmp_path / "none.png")
+    text = markdown(rows, rows[2], "balanced", {}, "pareto.png", "capacity.png")
+    assert "![Capacity curves](capacity.png)" in text and "| 2 | np16 b512/512 c2048/slot" in text
+    assert "640.0 (41.0)" in text and "| 1 | np2" not in text.split("## All trials")[0]
+    assert "## Capacity" not in markdown(rows, rows[2], "balanced", {}, "pareto.png")
+
+
+def test_confirmation_candidates_are_distinct_configs_and_the_baseline() -> None:
+    from tuning.search import confirmation_candidates
+
+    def trial(n: int, single: float, aggregate: float, n_parallel: int, baseline: bool = False) -> TrialRow:
+        params = {"n_parallel": n_parallel, "n_batch": 512, "n_ubatch": 512, "ctx_per_slot": 2048, "type_k": "f16",
+                  "type_v": "f16", "flash_attn": "on"}
+        return TrialRow(n, params, {"single_tok_s": single, "aggregate_tok_s": aggregate, "feasible": True}, baseline)
+
+    rows = [trial(0, 90.0, 150.0, 2, baseline=True), trial(1, 100.0, 240.0, 4), trial(2, 100.0, 240.0, 4),
+            trial(3, 101.0, 200.0, 8), trial(4, 102.0, 180.0, 1)]
+    chosen = confirmation_candidates(rows, rows[1], EngineConfig(), 3, "balanced")
+    assert [r.number for r in chosen] == [1, 3, 4, 0]  # trial 2 is trial 1's config again
+    assert [r.number for r in confirmation_candidates(rows, rows[0], EngineConfig(), 2, "balanced")] == [0, 1]
 
 
 # -- search space ----------------------------------------------------------------------------------

@@ -54,6 +54,12 @@ class TrialRow:
     def feasible(self) -> bool:
         return bool(self.attrs.get("feasible", False))
 
+    @property
+    def answered_from(self) -> int | None:
+        """The trial whose measurement answered this proposal (the same engine config), if any."""
+        source = self.attrs.get("answered_from")
+        return int(source) if source is not None else None
+
     def label(self) -> str:
         p = self.params
         ubatch = min(p.get("n_ubatch") or 0, p.get("n_batch") or 0)  # as the engine ran it (clamped)
@@ -89,8 +95,9 @@ def weight_loads(rows: list[TrialRow]) -> tuple[int, float]:
 
 
 def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
-    """Feasible trials no other feasible trial beats on both objectives (single stream, and the second)."""
-    feasible = [r for r in rows if r.feasible]
+    """Feasible trials no other feasible trial beats on both objectives (single stream, and the second);
+    a proposal answered from another trial's measurement is that trial, not a second point."""
+    feasible = [r for r in rows if r.feasible and r.answered_from is None]
     front = [r for r in feasible
              if not any(o.single >= r.single and o.second >= r.second
                         and (o.single > r.single or o.second > r.second) for o in feasible)]
@@ -124,6 +131,8 @@ def _num(value: Any, fmt: str = ".1f") -> str:
 def _flags(row: TrialRow) -> str:
     a = row.attrs
     flags = [a[k] for k in ("rejected", "error") if a.get(k)]
+    if row.answered_from is not None:
+        flags.append(f"answered from #{row.answered_from}")
     if a.get("throttled"):
         flags.append(f"throttled ({a.get('throttle_reasons')})")
     if a.get("shared"):
@@ -183,6 +192,48 @@ def plot(rows: list[TrialRow], winner: TrialRow | None, path: Path) -> None:
     plt.close(fig)
 
 
+def best_curves(rows: list[TrialRow]) -> list[TrialRow]:
+    """Per slot count, the feasible measured trial with the highest capacity: the curves worth drawing."""
+    best: dict[int, TrialRow] = {}
+    for r in rows:
+        if r.feasible and r.answered_from is None and r.attrs.get("capacity_curve"):
+            slots = int(r.params.get("n_parallel", 0))
+            if slots not in best or r.attrs["capacity_tok_s"] > best[slots].attrs["capacity_tok_s"]:
+                best[slots] = r
+    return [best[k] for k in sorted(best)]
+
+
+def plot_capacity(rows: list[TrialRow], floor_tok_s: float, path: Path) -> bool:
+    """The capacity curves (aggregate and slowest stream's tok/s against streams at once) of the best trial
+    per slot count; False when the study measured none."""
+    curves = best_curves(rows)
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (agg, slow) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for r in curves:
+        points = r.attrs["capacity_curve"]
+        streams = [p["streams"] for p in points]
+        label = f"#{r.number} {r.label()}"
+        agg.plot(streams, [p["aggregate_tok_s"] for p in points], "-o", label=label)
+        slow.plot(streams, [p["slowest_tok_s"] for p in points], "-o", label=label)
+    slow.axhline(floor_tok_s, color="tab:red", linestyle="--", label=f"floor {floor_tok_s:g} tok/s")
+    for ax, title in ((agg, "aggregate tok/s"), (slow, "slowest stream's decode tok/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("streams at once")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    slow.legend(loc="best", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def gain(winner: TrialRow, baseline: TrialRow | None) -> str:
     if baseline is None or baseline.single <= 0 or baseline.second <= 0:
         return "the baseline did not run (rejected, failed or infeasible), so there is no ratio to report"
@@ -190,8 +241,28 @@ def gain(winner: TrialRow, baseline: TrialRow | None) -> str:
             f"{winner.second / baseline.second:.2f}x the article baseline")
 
 
+def capacity_section(rows: list[TrialRow], plot_name: str) -> list[str]:
+    """The capacity curves of the best trial per slot count: a plot and a table."""
+    curves = best_curves(rows)
+    if not curves:
+        return []
+    levels = sorted({p["streams"] for r in curves for p in r.attrs["capacity_curve"]})
+    heads = " | ".join(f"{n} stream{'s' if n > 1 else ''}" for n in levels)
+    out = ["## Capacity", "", f"![Capacity curves]({plot_name})", "",
+           "Aggregate tok/s (slowest stream's decode tok/s) with that many streams at once, the best trial per "
+           "slot count; the capacity figure is the best aggregate whose slowest stream keeps the floor.", "",
+           f"| # | config | capacity tok/s (streams) | {heads} |",
+           "|---|---|---|" + "---|" * len(levels)]
+    for r in curves:
+        at = {p["streams"]: p for p in r.attrs["capacity_curve"]}
+        cells = [f"{at[n]['aggregate_tok_s']:.1f} ({at[n]['slowest_tok_s']:.1f})" if n in at else "" for n in levels]
+        out.append(f"| {r.number} | {r.label()} | {_num(r.attrs.get('capacity_tok_s'))} "
+                   f"({r.attrs.get('capacity_streams', '-')}) | " + " | ".join(cells) + " |")
+    return [*out, ""]
+
+
 def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context: dict[str, Any],
-             plot_name: str) -> str:
+             plot_name: str, capacity_plot: str | None = None) -> str:
     baseline = next((r for r in rows if r.is_baseline), None)
     front = pareto_front(rows)
     out = ["# Tuning report", ""]
@@ -202,9 +273,44 @@ def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context
     else:
         out += [f"Trial {winner.number} ({prefer} pick): `{winner.label()}`: {_num(winner.single)} tok/s single, "
                 f"{_num(winner.second)} {winner.objective.label}; {gain(winner, baseline)}."]
-    out += ["", "## Pareto front", "", trial_table(front), "", "## All trials", "", trial_table(rows), "",
+    out += ["", "## Pareto front", "", trial_table(front), ""]
+    out += capacity_section(rows, capacity_plot) if capacity_plot else []
+    out += ["## All trials", "", trial_table(rows), "",
             "Quality: NLL delta is the mean negative log-likelihood (nats/token) of tuning/data/quality.txt "
             "under the trial's config minus the same with an f16 K/V cache; trials above "
             "--max-quality-loss are infeasible. Memory: predicted from the GGUF header before loading; "
             "measured with NVML (the process's GPU memory) or as resident-memory growth on CPU."]
     return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tuning.report STORAGE STUDY OUT_DIR`: the report and plots again, from the study alone (the
+    confirmation round's re-measurements are not stored: they are in the report the tuner wrote)."""
+    import argparse
+
+    import optuna
+
+    parser = argparse.ArgumentParser(prog="python -m tuning.report", description=main.__doc__)
+    parser.add_argument("storage", help="Optuna storage URL, e.g. sqlite:///results/optuna.db")
+    parser.add_argument("study")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.aggregate.value)
+    parser.add_argument("--prefer", choices=["balanced", "single", "aggregate"], default="balanced")
+    parser.add_argument("--min-stream-tok-s", type=float, help="the capacity floor the study measured with")
+    args = parser.parse_args(argv)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    rows = rows_from_study(optuna.load_study(study_name=args.study, storage=args.storage), Objective(args.objective))
+    winner = pick(rows, args.prefer)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    plot(rows, winner, args.out_dir / "pareto.png")
+    capacity = args.min_stream_tok_s is not None and plot_capacity(rows, args.min_stream_tok_s,
+                                                                   args.out_dir / "capacity.png")
+    context = {"study": args.study, "storage": args.storage, "trials in study": len(rows)}
+    text = markdown(rows, winner, args.prefer, context, "pareto.png", "capacity.png" if capacity else None)
+    (args.out_dir / "report.md").write_text(text)
+    print(f"report: {args.out_dir / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

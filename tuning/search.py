@@ -335,6 +335,8 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     if winner is not None and args.confirm_rounds > 0:
         winner, confirmation = confirm_pick(args, rows, winner, base, settings, study_name)
     report.plot(rows, winner, out_dir / "pareto.png")
+    capacity_plot = "capacity.png" if args.min_stream_tok_s is not None and report.plot_capacity(
+        rows, args.min_stream_tok_s, out_dir / "capacity.png") else None
     loads, load_s = report.weight_loads(rows)
     answered = sum(1 for r in rows if "answered_from" in r.attrs)
     loads_label = ("weight loads (the serving replicas' totals, their own start-up included)"
@@ -342,7 +344,7 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     context = {**context, "trials in study": len(rows),
                "answered from an earlier trial of the same engine config": answered,
                loads_label: loads, "time loading weights": f"{load_s:.1f} s"}
-    text = report.markdown(rows, winner, args.prefer, context, "pareto.png")
+    text = report.markdown(rows, winner, args.prefer, context, "pareto.png", capacity_plot)
     (out_dir / "report.md").write_text(text.replace("\n## Pareto front", f"\n{confirmation}\n## Pareto front", 1)
                                        if confirmation else text)
     print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
@@ -366,24 +368,38 @@ def finish(args: argparse.Namespace, storage: Any, study_name: str, base: Engine
     return 0
 
 
+def confirmation_candidates(rows: list[Any], winner: Any, base: EngineConfig, top: int, prefer: str) -> list[Any]:
+    """The pick and the next best of the Pareto front, `top` distinct engine configs in all (a re-run study
+    can hold one config twice), then the article baseline when it ran and is not among them."""
+    from tuning import report
+
+    ranked = sorted(report.pareto_front(rows), key=lambda r: (r.second, r.single), reverse=True)
+    if prefer == "single":
+        ranked.sort(key=lambda r: (r.single, r.second), reverse=True)
+    chosen: list[Any] = []
+    for row in [winner, *ranked]:
+        if len(chosen) < top and all(to_engine_config(row.params, base) != to_engine_config(c.params, base)
+                                     for c in chosen):
+            chosen.append(row)
+    baseline = next((r for r in rows if r.is_baseline and r.single > 0), None)
+    if baseline is not None and all(to_engine_config(baseline.params, base) != to_engine_config(c.params, base)
+                                    for c in chosen):
+        chosen.append(baseline)
+    return chosen
+
+
 def confirm_pick(args: argparse.Namespace, rows: list[Any], winner: Any, base: EngineConfig, settings: Any,
                  study_name: str) -> tuple[Any, str]:
     """The search's best few and the baseline measured again, interleaved (tuning/confirm.py): the pick on
     paired ratios, and the report's section on it."""
-    from tuning import confirm, report
+    from tuning import confirm
 
-    ranked = sorted(report.pareto_front(rows), key=lambda r: (r.second, r.single), reverse=True)
-    if args.prefer == "single":
-        ranked.sort(key=lambda r: (r.single, r.second), reverse=True)
-    chosen = [winner] + [r for r in ranked if r is not winner][:args.confirm_top - 1]
-    baseline = next((r for r in rows if r.is_baseline and r.single > 0), None)
-    if baseline is not None and baseline not in chosen:
-        chosen.append(baseline)
+    chosen = confirmation_candidates(rows, winner, base, args.confirm_top, args.prefer)
     if len(chosen) < 2:
         return winner, ""
-    candidates = [confirm.Candidate(r.number, r.label(), to_engine_config(r.params, base), r is baseline)
+    candidates = [confirm.Candidate(r.number, r.label(), to_engine_config(r.params, base), r.is_baseline)
                   for r in chosen]
-    reference = len(candidates) - 1 if baseline is not None else 0
+    reference = next((i for i, c in enumerate(candidates) if c.is_baseline), 0)  # else the search's pick
     print(f"confirmation: {len(candidates)} candidates x {args.confirm_rounds} rounds, interleaved")
     with confirmation_measure(args, settings, study_name, candidates) as measure:
         confirmed = confirm.confirm(candidates, reference, args.confirm_rounds, measure, progress=print)
