@@ -59,7 +59,7 @@ def app_problem(name: str) -> str | None:
     return f"{status}: " + " | ".join(m for m in details if m)[:1500]
 
 
-async def wait_healthy(base: str, timeout_s: float) -> None:
+async def wait_healthy(base: str, timeout_s: float, name: str = APP_NAME) -> None:
     """Poll GET /health until 200. A failed model load, or an app Serve calls failed or unhealthy, fails at
     once instead of waiting out the timeout."""
     import httpx
@@ -67,7 +67,7 @@ async def wait_healthy(base: str, timeout_s: float) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
         while asyncio.get_running_loop().time() < deadline:
-            problem = await asyncio.to_thread(app_problem, APP_NAME)
+            problem = await asyncio.to_thread(app_problem, name)
             if problem:
                 raise RuntimeError(f"Serve app {problem}")
             try:
@@ -92,26 +92,39 @@ async def served_config(base: str) -> dict[str, Any] | None:
     return resp.json().get("config") if resp.status_code == 200 else None
 
 
+def _with_env(app: Any, env: dict[str, str]) -> Any:
+    """The app with `env` in its ingress's and engine replicas' environment (process-level settings such as
+    Serve's own RAY_SERVE_* switches are read when a replica starts)."""
+    if env:
+        ingress = app._bound_deployment
+        engines = ingress.init_args[0]._bound_deployment
+        for deployment in (ingress, engines):
+            deployment._replica_config.ray_actor_options["runtime_env"] = {"env_vars": dict(env)}
+    return app
+
+
 @asynccontextmanager
-async def deployed(port: int, engine_fields: dict[str, Any], load_timeout_s: float,
-                   request_timeout_s: float) -> AsyncIterator[HttpTarget]:
-    """The app deployed with `engine_fields` (over configs/default.yaml) on a running Serve; an HttpTarget
-    once /health says 200; the app deleted afterwards."""
+async def deployed(port: int, args: dict[str, Any], load_timeout_s: float, request_timeout_s: float,
+                   name: str = APP_NAME, env: dict[str, str] | None = None) -> AsyncIterator[HttpTarget]:
+    """The app built from `args` (`serve run serving.app:main KEY=VALUE` words, over configs/default.yaml)
+    deployed as `name` under the route prefix /`name` (`/` for the default name), with `env` in its replicas'
+    environment; an HttpTarget named `name` once its /health says 200; the app deleted afterwards."""
     from ray import serve
 
     from serving.app import main as build_app
 
-    fields = {"config": str(REPO_ROOT / "configs" / "default.yaml"), **engine_fields}
-    base = f"http://127.0.0.1:{port}"
+    prefix = "/" if name == APP_NAME else f"/{name}"
+    base = f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
+    app = _with_env(build_app({"config": str(REPO_ROOT / "configs" / "default.yaml"), **args}), env or {})
     target = None
     try:
-        await asyncio.to_thread(serve.run, build_app(fields), name=APP_NAME, route_prefix="/")
-        await wait_healthy(base, load_timeout_s)
-        target = HttpTarget("ours-http", f"{base}/v1", request_timeout_s)
+        await asyncio.to_thread(serve.run, app, name=name, route_prefix=prefix)
+        await wait_healthy(base, load_timeout_s, name)
+        target = HttpTarget(name, f"{base}/v1", request_timeout_s)
         await target.preflight()
-        target.extra = {"served_config": await served_config(base)}
+        target.extra = {"served_config": await served_config(base), "env": env or {}}
         yield target
     finally:
         if target is not None:
             await target.aclose()
-        await asyncio.wait_for(asyncio.to_thread(serve.delete, APP_NAME), 180)
+        await asyncio.wait_for(asyncio.to_thread(serve.delete, name), 180)

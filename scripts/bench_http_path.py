@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""What the HTTP path costs, and what a deployment setting wins back: several variants of our Serve app side by
+side in one Ray, each under its own route prefix, and our engine in-process, interleaved in one run.
+
+Each variant is a name, `serve run` KEY=VALUE words and environment variables for its replicas (e.g. Serve's
+own RAY_SERVE_* switches). Only the variant being measured generates; the others idle. The figures are
+measure/'s (the tuner's workload and definitions); the ratios are each variant over the in-process engine of
+the same run.
+
+    python scripts/bench_http_path.py --variant default --variant 't1:n_threads=1' \\
+        --variant 'no-thread:env:RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0' --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
+from measure import serve_app  # noqa: E402
+from measure.metrics import ratios  # noqa: E402
+from measure.provenance import provenance  # noqa: E402
+from measure.targets import loaded_engine  # noqa: E402
+from measure.workload import Runner, Target, Workload  # noqa: E402
+from serving.config import load_engine_config  # noqa: E402
+
+IN_PROCESS = "in-process"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """`name[:KEY=VALUE ...][:env:NAME=VALUE ...]`: serve run words, then replica environment."""
+
+    name: str
+    args: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        name, *parts = text.split(":")
+        args: dict[str, str] = {}
+        env: dict[str, str] = {}
+        target = args
+        for part in parts:
+            if part == "env":
+                target = env
+                continue
+            for word in part.split(","):
+                key, sep, value = word.partition("=")
+                if not sep:
+                    raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, got {word!r}")
+                target[key] = value
+        if not name or name == IN_PROCESS:
+            raise argparse.ArgumentTypeError(f"{text!r}: give the variant a name (not {IN_PROCESS!r})")
+        return cls(name, args, env)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    overrides = dict(word.split("=", 1) for word in args.engine)
+    config = load_engine_config(REPO_ROOT / "configs" / "default.yaml", overrides)
+    port = serve_app.start_serve(0, None)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            targets: list[Target] = [stack.enter_context(loaded_engine(config, IN_PROCESS))]
+            for v in args.variant:
+                targets.append(await stack.enter_async_context(serve_app.deployed(
+                    port, {**overrides, **v.args}, args.load_timeout, 300.0, name=v.name, env=v.env)))
+            workload = Workload(gen_tokens=args.max_tokens, levels=args.levels, repeats=args.repeats)
+            results = await Runner(workload).levels(targets, lambda name, level, rep, f: print(
+                f"  {name:<12} c={level} rep {rep}: {f.aggregate_tok_s:.1f} tok/s", file=sys.stderr))
+    finally:
+        serve_app.stop_serve()
+    reference = results[IN_PROCESS]
+    return {"provenance": provenance(), "engine_config": config.to_yaml_dict(),
+            "variants": {v.name: {"args": v.args, "env": v.env} for v in args.variant},
+            "results": {name: {str(n): level.as_dict() for n, level in levels.items()}
+                        for name, levels in results.items()},
+            "ratios": {name: {str(n): ratios(level.median, reference[n].median) for n, level in levels.items()}
+                       for name, levels in results.items() if name != IN_PROCESS}}
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = ["| target | streams | agg tok/s | decode tok/s | TTFT ms | agg / in-process | decode / in-process |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, levels in report["results"].items():
+        for n, level in levels.items():
+            m, r = level["median"], report["ratios"].get(name, {}).get(n)
+            agg, dec = (f"{r['aggregate_tok_s']:.3f}", f"{r['decode_tok_s']:.3f}") if r else ("1", "1")
+            lines.append(f"| {name} | {n} | {m['aggregate_tok_s']:.1f} | {m['decode_tok_s']:.1f} | {m['ttft_ms']:.0f} "
+                         f"| {agg} | {dec} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", type=Variant.parse, action="append", required=True,
+                   help="name[:KEY=VALUE,...][:env:NAME=VALUE,...]; repeat for more")
+    p.add_argument("--engine", action="append", default=["n_parallel=4", "n_ctx=4096"], metavar="KEY=VALUE",
+                   help="engine settings of every target (default n_parallel=4, n_ctx=4096)")
+    p.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=(1, 4))
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--load-timeout", type=float, default=300.0)
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args(argv)
+    report = asyncio.run(run(args))
+    print(table(report))
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
