@@ -19,13 +19,13 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
 from serving.request import FinishReason, Request, SamplingParams, TokenLogprob, Usage
-from serving.speculate import PromptLookup, SpecSettings
+from serving.speculate import Acceptance, PromptLookup, SpecSettings, StepCosts, draft_length
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class Slot:
     clones: list[Slot] = field(default_factory=list)  # other choices of this request, waiting for its prompt
     leader: Slot | None = None  # the slot whose prompt this choice will copy
     drafter: PromptLookup | None = None  # speculation: guesses tokens from the request's own text
+    acceptance: Acceptance = field(default_factory=Acceptance)  # how its guesses fared (sets the draft length)
     draft: list[int] = field(default_factory=list)  # guesses in the batch being decoded, after next_token
 
     @property
@@ -162,10 +163,11 @@ class Scheduler:
     """Owned by the engine's step thread: nothing here is called from any other thread but `snapshot`."""
 
     def __init__(self, ctx: ModelContext, n_parallel: int, default_seed: int,
-                 spec: SpecSettings | None = None) -> None:
+                 spec: SpecSettings | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.waiting: collections.deque[list[Request]] = collections.deque()  # groups: a request's choices
         self.admitting = True  # the engine pauses admission while a command waits for the slots to drain
         self.counters = Counters()
+        self._clock = clock
         self.requests_per_s = 0.0  # recent finish rate (EMA), for Retry-After estimates
         self._last_finish = 0.0
         self._in_batch: set[int] = set()  # seq ids with rows in the batch being decoded
@@ -176,6 +178,7 @@ class Scheduler:
         """Use a (new) context; all slots start empty. Only called while no slot is busy."""
         self._ctx, self._seed, self._spec = ctx, default_seed, spec
         self.slots = [Slot(seq_id=i) for i in range(n_parallel)]
+        self._costs = StepCosts()  # what a step costs by its rows, on this machine and this context
 
     def add(self, choices: list[Request]) -> None:
         """Queue one request: its `n` choices share one prompt, prefilled once and copied (n slots at once)."""
@@ -202,29 +205,35 @@ class Scheduler:
         busy = sum(1 for s in self.slots if s.request is not None)
         speculate = self._spec is not None and busy <= self._spec.max_busy
         room = ctx.batch_capacity - len(generating)
-        for slot in generating:
-            slot.draft = self._draft(slot, room) if speculate else []
+        for i, slot in enumerate(generating):  # rows without this slot's guesses: so far + the slots to come
+            slot.draft = self._draft(slot, room, ctx.batch_size + len(generating) - i) if speculate else []
             room -= len(slot.draft)
             assert slot.next_token is not None
             last = ctx.add_to_batch([slot.next_token, *slot.draft], len(slot.cache), slot.seq_id, True,
                                     all_logits=bool(slot.draft))
             slot.logits_row = last - len(slot.draft)
+        generating_rows = ctx.batch_size
         self._add_prompt_chunks()
         if ctx.batch_size == 0:
             return outputs, False
+        t0 = self._clock()
         if self._decode(outputs):
             self._share_prompts()
             self._sample(outputs)
+            if ctx.batch_size == generating_rows:  # prompt rows cost otherwise: price only generation steps
+                self._costs.observe(generating_rows, self._clock() - t0)
         return outputs, True
 
-    def _draft(self, slot: Slot, room: int) -> list[int]:
-        """Guesses to verify after the slot's next token: no more than the batch, the request's remaining
-        tokens and the slot's cells allow (k guesses yield up to k + 1 tokens)."""
+    def _draft(self, slot: Slot, room: int, rows: int) -> list[int]:
+        """Guesses to verify after the slot's next token, in a batch of `rows` rows so far: what prompt
+        lookup offers, within what the batch, the request's remaining tokens and the slot's cells allow (k
+        guesses yield up to k + 1 tokens), cut to the count that pays on this machine (speculate.py)."""
         if slot.drafter is None or self._spec is None or slot.next_token is None:
             return []
         k = min(self._spec.draft_max, room, slot.limit - slot.usage.completion_tokens - 1,
                 self._ctx.n_ctx_seq - len(slot.cache) - 2)
-        return slot.drafter.propose([*slot.cache, slot.next_token], k) if k > 0 else []
+        offered = slot.drafter.propose([*slot.cache, slot.next_token], k) if k > 0 else []
+        return offered[:draft_length(slot.acceptance, self._costs, len(offered), rows)]
 
     def _add_prompt_chunks(self) -> None:
         ctx = self._ctx
@@ -316,6 +325,7 @@ class Scheduler:
         if draft:
             self.counters.spec_drafted += len(draft)
             self.counters.spec_accepted += accepted
+            slot.acceptance.record(accepted, missed=slot.request is not None and accepted < len(draft))
             kept = len(slot.cache) - len(draft) + accepted  # rejected guesses leave the cache
             if kept < len(slot.cache):
                 self._ctx.forget(slot.seq_id, kept)
@@ -417,6 +427,7 @@ class Scheduler:
         slot.limit = min(params.max_tokens, room) if params.max_tokens else room
         slot.sampler = None
         slot.drafter = PromptLookup(self._spec) if self._spec is not None else None
+        slot.acceptance = Acceptance()
         slot.draft = []
         self.counters.prompt_tokens += len(prompt)
         self.counters.prompt_tokens_cached += reuse

@@ -9,6 +9,10 @@ request gets is drawn from the same distribution as without speculation (identic
 Prompt lookup (llama.cpp's "lookup" / vLLM's n-gram): the continuation that followed the most recent
 earlier occurrence of the last n tokens, longest n first. No second model; it shines when the output copies
 the input (editing code, quoting a document) and proposes nothing otherwise.
+
+How many guesses to verify is decided per step (`draft_length`): from the request's own recent acceptance
+and this machine's measured cost of a step by its rows (`StepCosts`), the count that gives the most tokens
+per second, or none when guessing would be slower than not.
 """
 
 from __future__ import annotations
@@ -57,3 +61,93 @@ class PromptLookup:
                 if i >= n:
                     table[tuple(tokens[i - n:i])] = i
         self._indexed = max(self._indexed, upto)
+
+
+OPTIMISTIC_ROW_COST = 0.1  # a row count not yet measured is priced at 1 + 0.1 per extra row, so it gets tried
+COST_EMA = 0.2  # weight of a new step time in its row count's moving average
+ACCEPT_DECAY = 0.8  # weight of the past in a request's acceptance counts (recent verifies count most)
+PRIOR_ACCEPTED, PRIOR_MISSES = 1.0, 1.0  # a request starts at p = 0.5
+PROBE_EVERY = 32  # steps without a draft after which a request drafts one token again, to measure
+
+
+class StepCosts:
+    """What a decode step costs by the rows it carries, learned as the engine runs: a moving average of the
+    step's seconds (the decode and the sampling of its rows) per row count. Where a row count was never
+    measured, its cost is interpolated between measured ones (or extrapolated from the largest), optimistic
+    where there is nothing to go by, so a guess gets tried once and then priced as it measured.
+
+    Why measure rather than assume: on the lent H200, 16 rows of one sequence cost ~2.1x one row (a verify
+    is nearly free); on a 2-core CPU, ~8.3x (scripts/bench_verify.py). A draft length that pays on one
+    machine loses on the other."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows < 1 or seconds < 0:
+            return
+        old = self._seconds.get(rows)
+        self._seconds[rows] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+
+    def relative(self, rows: int, base: int) -> float:
+        """cost(rows) / cost(base): how much longer a step of `rows` rows takes than one of `base` rows."""
+        base_cost = self._estimate(base)
+        return self._estimate(rows) / base_cost if base_cost > 0 else 1.0 + OPTIMISTIC_ROW_COST * (rows - base)
+
+    def _estimate(self, rows: int) -> float:
+        known = self._seconds
+        if rows in known:
+            return known[rows]
+        lower = max((n for n in known if n < rows), default=None)
+        upper = min((n for n in known if n > rows), default=None)
+        if lower is not None and upper is not None:
+            share = (rows - lower) / (upper - lower)
+            return known[lower] + share * (known[upper] - known[lower])
+        anchor = lower if lower is not None else upper
+        if anchor is None:
+            return 0.0
+        below = max((n for n in known if n < anchor), default=None)
+        slope = (max((known[anchor] - known[below]) / (anchor - below), 0.0) if below is not None and upper is None
+                 else OPTIMISTIC_ROW_COST * known[anchor] / anchor)
+        return max(known[anchor] + slope * (rows - anchor), 0.0)
+
+
+class Acceptance:
+    """One request's record of verified guesses, recent ones weighted most: `p`, the chance that a guess is
+    right given the ones before it were (accepted / (accepted + misses), each verify ending in a miss or not)."""
+
+    def __init__(self) -> None:
+        self.accepted, self.misses = PRIOR_ACCEPTED, PRIOR_MISSES
+        self.idle_steps = 0
+
+    @property
+    def p(self) -> float:
+        return self.accepted / (self.accepted + self.misses)
+
+    def record(self, accepted: int, missed: bool) -> None:
+        self.accepted = ACCEPT_DECAY * self.accepted + accepted
+        self.misses = ACCEPT_DECAY * self.misses + (1 if missed else 0)
+        self.idle_steps = 0
+
+
+def expected_tokens(p: float, k: int) -> float:
+    """Tokens one step yields with k guesses verified in order: the next token, plus each guess kept while
+    every one before it was (1 + p + ... + p^k)."""
+    return float(k + 1) if p >= 1.0 else (1.0 - p ** (k + 1)) / (1.0 - p)
+
+
+def draft_length(acceptance: Acceptance, costs: StepCosts, offered: int, base: int) -> int:
+    """How many of the `offered` guesses to verify in a step that already carries `base` rows: the count
+    whose tokens per second beat the step without guesses by the most, or 0 when none does (a guess is a
+    batch row, and rows cost what StepCosts measured). Every PROBE_EVERY steps without a draft, one guess
+    anyway, so a request whose text turns copyable is noticed."""
+    best_k, best_gain = 0, 1.0
+    for k in range(1, offered + 1):
+        gain = (base - 1 + expected_tokens(acceptance.p, k)) / base / costs.relative(base + k, base)
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    if best_k == 0 and offered > 0:
+        acceptance.idle_steps += 1
+        if acceptance.idle_steps >= PROBE_EVERY:
+            return 1
+    return best_k

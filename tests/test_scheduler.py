@@ -7,7 +7,8 @@ Its "model" is deterministic: the next token after t is (t + 1) % VOCAB, unless 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -500,11 +501,19 @@ class Repeating(FakeContext):
         return self.NEXT.get(token, 1)
 
 
+def flat_clock() -> Callable[[], float]:
+    """A clock by which every step takes one unit, however many rows it carries: guesses cost nothing, so the
+    draft length is what prompt lookup offers (the real clock would price the fake's microseconds)."""
+    ticks = itertools.count()
+    return lambda: float(next(ticks))
+
+
 def _spec_run(spec, n_parallel=1, max_tokens=20, **ctx_kw):  # noqa: ANN001, ANN202
     from serving.speculate import SpecSettings
 
     ctx = Repeating(**ctx_kw)
-    s = Scheduler(ctx, n_parallel, default_seed=1, spec=SpecSettings(**spec) if spec is not None else None)
+    s = Scheduler(ctx, n_parallel, default_seed=1, spec=SpecSettings(**spec) if spec is not None else None,
+                  clock=flat_clock())
     r = req([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=max_tokens, temperature=0.0))
     s.add([r])
     out = run(s, ctx)
@@ -521,16 +530,16 @@ def test_speculation_gives_the_same_tokens_in_fewer_decodes() -> None:
 
 def test_rejected_guesses_leave_the_cache_exactly_the_tokens_kept() -> None:
     class Surprising(Repeating):
-        NEXT = {1: 2, 2: 3, 3: 4, 4: 7, 7: 1}  # after 4 the model says 7, the prompt said 1
+        NEXT = {1: 2, 2: 3, 3: 7, 7: 4, 4: 1}  # after 3 the model says 7, the prompt said 4
 
     from serving.speculate import SpecSettings
 
     ctx = Surprising()
-    s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4))
+    s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4), clock=flat_clock())
     r = req([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=12, temperature=0.0))
     s.add([r])
     out = run(s, ctx)  # run() checks slot.cache == the fake's K/V after every step
-    assert tokens_of(out, r) == [2, 3, 4, 7, 1, 2, 3, 4, 7, 1, 2, 3]
+    assert tokens_of(out, r) == [2, 3, 7, 4, 1, 2, 3, 7, 4, 1, 2, 3]
     assert s.counters.spec_drafted > s.counters.spec_accepted > 0
 
 
@@ -547,7 +556,7 @@ def test_eos_inside_a_draft_ends_with_stop() -> None:
     from serving.speculate import SpecSettings
 
     ctx = Ending()
-    s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4))
+    s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4), clock=flat_clock())
     r = req([1, 2, 3, 9, 1], SamplingParams(max_tokens=20, temperature=0.0))
     s.add([r])
     out = run(s, ctx)
@@ -558,7 +567,7 @@ def test_no_speculation_when_more_slots_are_busy_than_allowed() -> None:
     from serving.speculate import SpecSettings
 
     ctx = Repeating()
-    s = Scheduler(ctx, 2, default_seed=1, spec=SpecSettings(draft_max=4, max_busy=1))
+    s = Scheduler(ctx, 2, default_seed=1, spec=SpecSettings(draft_max=4, max_busy=1), clock=flat_clock())
     for _ in range(2):
         s.add([req([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=6, temperature=0.0))])
     run(s, ctx)

@@ -97,3 +97,70 @@ def test_sampled_requests_stay_seeded_with_speculation(pair: tuple[Engine, Engin
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=11)
     prompt = _chat(spec, COPY)
     assert collect(spec.submit(prompt, params)).text == collect(spec.submit(prompt, params)).text
+
+
+# -- how many guesses pay: the draft length policy -----------------------------------------------------------
+from serving.speculate import (  # noqa: E402
+    PROBE_EVERY, Acceptance, StepCosts, draft_length, expected_tokens,
+)
+
+
+def costs(per_rows: dict[int, float]) -> StepCosts:
+    c = StepCosts()
+    for rows, seconds in per_rows.items():
+        c.observe(rows, seconds)
+    return c
+
+
+def acceptance(p_accepted: int, misses: int) -> Acceptance:
+    a = Acceptance()
+    a.accepted, a.misses = float(p_accepted), float(misses)
+    return a
+
+
+def test_expected_tokens_counts_the_next_token_and_each_guess_kept_in_order() -> None:
+    assert expected_tokens(0.0, 8) == 1.0
+    assert expected_tokens(1.0, 8) == 9.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+
+
+def test_step_costs_interpolate_extrapolate_and_follow_new_measurements() -> None:
+    c = costs({1: 10.0, 4: 25.0})
+    assert c.relative(1, 1) == 1.0 and abs(c.relative(2, 1) - 1.5) < 1e-9  # between 1 and 4 rows
+    assert abs(c.relative(8, 1) - 4.5) < 1e-9  # beyond: the last slope, 5 per row
+    c.observe(4, 15.0)
+    assert 2.0 < c.relative(4, 1) < 2.5  # a moving average: 25 -> 23
+    assert abs(StepCosts().relative(5, 1) - 1.4) < 1e-9  # nothing measured: optimistic, so guesses get tried
+
+
+def test_on_a_cpu_where_rows_cost_nearly_a_decode_each_only_near_certain_guesses_pay() -> None:
+    cpu = costs({1: 10.0, 2: 16.0, 4: 25.2, 8: 45.2, 16: 83.2})  # scripts/bench_verify.py on this machine
+    assert draft_length(acceptance(36, 64), cpu, 15, 1) == 0  # the copy set's 36%: verifying is slower
+    assert draft_length(acceptance(71, 29), cpu, 15, 1) == 2  # 1.075x: a short draft, barely
+    assert draft_length(acceptance(97, 3), cpu, 15, 1) >= 7
+
+
+def test_on_a_gpu_where_rows_are_nearly_free_long_drafts_pay() -> None:
+    gpu = costs({1: 9.6, 2: 10.8, 4: 15.5, 8: 23.7, 16: 19.9})  # the H200, 27B-class (performance.md)
+    assert draft_length(acceptance(36, 64), gpu, 15, 1) >= 1
+    assert draft_length(acceptance(90, 10), gpu, 15, 1) == 15
+    assert draft_length(acceptance(90, 10), gpu, 3, 1) == 3  # no more than offered
+
+
+def test_a_request_that_stopped_guessing_probes_again() -> None:
+    cpu = costs({1: 10.0, 2: 16.0})
+    low = acceptance(1, 9)
+    lengths = [draft_length(low, cpu, 4, 1) for _ in range(PROBE_EVERY)]
+    assert lengths[:-1] == [0] * (PROBE_EVERY - 1) and lengths[-1] == 1
+    low.record(1, missed=False)  # the probe held: counted, and the idle count starts again
+    assert low.idle_steps == 0 and low.p > 0.1
+
+
+def test_recent_verifies_weigh_most() -> None:
+    a = Acceptance()
+    for _ in range(10):
+        a.record(0, missed=True)
+    assert a.p < 0.1
+    for _ in range(10):
+        a.record(8, missed=False)  # the text turned copyable
+    assert a.p > 0.9
