@@ -109,9 +109,12 @@ def chunk_token_weights(record: StreamRecord, completion_tokens: int) -> list[fl
 
 
 def stream_figures(record: StreamRecord) -> StreamFigures:
-    """One request's raw timings -> TTFT, decode rate and inter-token latencies."""
+    """One request's raw timings -> TTFT, decode rate and inter-token latencies. A stream that ended
+    properly without a token (EOS first, where EOS counts) took its whole time to say so."""
     if not record.output_times:
-        raise StreamError("the stream produced no output")
+        if record.finish_reason is None or record.completion_tokens:
+            raise StreamError("the stream produced no output")
+        return StreamFigures(record.t_end - record.t_start, None, 0, record.prompt_tokens, record.cached_tokens, ())
     n = completion_tokens_of(record)
     times = record.output_times
     weights = chunk_token_weights(record, n)

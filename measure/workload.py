@@ -29,7 +29,8 @@ from measure.metrics import RoundFigures, StreamRecord, stream_figures
 
 PLAIN_PROMPTS: tuple[str, ...] = (
     "Write a detailed, practical guide to maintaining a small vegetable garden through the seasons: soil "
-    "preparation, choosing what to plant, watering, dealing with pests, harvesting and storing the crop.",
+    "preparation, choosing what to plant, watering, dealing with pests, harvesting and storing the crop, and "
+    "preparing the beds for winter. Use clear headings and short paragraphs.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a refrigerator works to a ten-year-old, step by step.",
     "List the main causes of the French Revolution and explain each briefly.",

@@ -66,8 +66,8 @@ async def _measure(config: EngineConfig, workload: Workload, number: int) -> dic
 
 
 def summarise(rounds: list[dict[SpecMode, dict[str, Any]]]) -> dict[str, Any]:
-    med = {m.value: {k: statistics.median(r[m][k] for r in rounds) for k in ("single_tok_s", "aggregate_tok_s")}
-           for m in rounds[0]}
+    med = {m.value: {k: statistics.median(v for r in rounds if (v := r[m][k]) is not None)  # None: EOS at once
+                     for k in ("single_tok_s", "aggregate_tok_s")} for m in rounds[0]}
     on, off = med[SpecMode.ngram.value], med[SpecMode.off.value]
     drafted = sum(r[SpecMode.ngram]["drafted"] for r in rounds)
     accepted = sum(r[SpecMode.ngram]["accepted"] for r in rounds)
@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             first = SpecMode.off if i % 2 == 0 else SpecMode.ngram
             rounds.append(round_of(configs, prompt_set, args, first, i + 1))
             print(f"{prompt_set.value} round {i + 1}/{args.rounds}: "
-                  + ", ".join(f"{m.value} {r['single_tok_s']:.1f}/{r['aggregate_tok_s']:.1f}"
+                  + ", ".join(f"{m.value} {r['single_tok_s'] or 0:.1f}/{r['aggregate_tok_s']:.1f}"
                               for m, r in rounds[-1].items()), flush=True)
         results[prompt_set.value] = summarise(rounds)
     report = {"provenance": provenance(), "config": base.to_yaml_dict(), "draft_max": args.draft_max,

@@ -111,9 +111,11 @@ def test_figures_fall_back_to_counting_chunks() -> None:
     assert f.completion_tokens == 3 and f.decode_tok_s == pytest.approx(2.0) and f.itl_s == pytest.approx((0.5, 0.5))
 
 
-def test_a_stream_without_output_is_an_error() -> None:
+def test_a_stream_without_output_is_an_error_unless_it_ended_at_once() -> None:
     with pytest.raises(StreamError):
         stream_figures(StreamRecord(t_start=0.0))
+    eos_first = stream_figures(StreamRecord(t_start=1.0, t_end=1.25, finish_reason="stop", completion_tokens=0))
+    assert (eos_first.completion_tokens, eos_first.decode_tok_s, eos_first.ttft_s) == (0, None, 0.25)
 
 
 def test_round_figures_and_their_median() -> None:
