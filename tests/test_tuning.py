@@ -569,6 +569,13 @@ def test_speculation_is_searched_only_when_the_space_lists_it(tmp_path: Path) ->
     assert "spec_mode" not in suggest(study.ask(), plain, [1024], None)
     modes = {to_engine_config(suggest(study.ask(), spec, [1024], None), EngineConfig()).spec_mode for _ in range(12)}
     assert modes == {SpecMode.off, SpecMode.ngram}
+    busy = SearchSpace.from_yaml(write_space(tmp_path / "c.yaml", {**SMALL_SPACE, "spec_mode": [False, "ngram"],
+                                                                   "spec_max_busy": [1, 3], "spec_draft_max": [8]}))
+    drawn = [suggest(study.ask(), busy, [1024], None) for _ in range(16)]
+    on = [p for p in drawn if p["spec_mode"] == "ngram"]
+    assert {p["spec_max_busy"] for p in on} == {1, 3} and {p["spec_draft_max"] for p in on} == {8}
+    assert all("spec_max_busy" not in p for p in drawn if p["spec_mode"] == "off"), "searched only when on"
+    assert to_engine_config(on[0], EngineConfig()).spec_draft_max == 8
 
 
 @pytest.mark.timeout(300)

@@ -3,8 +3,9 @@
 Every point it proposes is a valid EngineConfig: n_ubatch is clamped to n_batch, a quantised V cache forces
 flash attention on, context is searched per slot and never below `min_ctx_per_slot` (the tuner must not
 win by starving context), n_gpu_layers is searched only when the weights alone exceed the budget, and
-speculative decoding (`spec_mode`) only when the space lists more than `off` (measure it with
-`--prompt-set copy` too: prompt lookup pays on text that copies its prompt).
+speculative decoding (`spec_mode`) only when the space lists more than `off`, its draft bound and busy-slot
+limit only for the configs that speculate (measure it with `--prompt-set both`: prompt lookup pays on text
+that copies its prompt).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class SearchSpace(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    n_parallel: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
+    n_parallel: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
     n_batch: list[int] = Field(default_factory=lambda: [128, 256, 512, 1024, 2048])
     n_ubatch: list[int] = Field(default_factory=lambda: [128, 256, 512, 1024, 2048])
     ctx_per_slot: list[int] = Field(default_factory=lambda: [1024, 2048, 4096, 8192])
@@ -34,8 +35,12 @@ class SearchSpace(BaseModel):
     flash_attn: list[FlashAttn] = Field(default_factory=lambda: [FlashAttn.on, FlashAttn.off])
     spec_mode: list[SpecMode] = Field(default_factory=lambda: [SpecMode.off],
                                       description="speculative decoding modes to search; [off] = not searched")
+    spec_draft_max: list[int] = Field(default_factory=lambda: [16], description="the most guesses per step, "
+                                      "with speculation on; one value = not searched")
+    spec_max_busy: list[int] = Field(default_factory=lambda: [1], description="speculate while at most this many "
+                                     "slots are busy, with speculation on; one value = not searched")
 
-    @field_validator("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot")
+    @field_validator("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "spec_draft_max", "spec_max_busy")
     @classmethod
     def _positive(cls, values: list[int]) -> list[int]:
         if not values or any(v < 1 for v in values):
@@ -85,6 +90,10 @@ def suggest(trial: Any, space: SearchSpace, contexts: list[int], n_layer_choices
         params["n_gpu_layers"] = trial.suggest_int("n_gpu_layers", 0, n_layer_choices)
     if space.spec_mode != [SpecMode.off]:  # searched only when the space asks: it changes what is measured
         params["spec_mode"] = trial.suggest_categorical("spec_mode", [m.value for m in space.spec_mode])
+    if params.get("spec_mode", SpecMode.off.value) != SpecMode.off.value:  # its settings matter only when on
+        for name in ("spec_draft_max", "spec_max_busy"):
+            values = getattr(space, name)
+            params[name] = trial.suggest_categorical(name, values) if len(values) > 1 else values[0]
     return params
 
 
