@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Speculative decoding (prompt lookup) on vs off, through our engine, on the real embedded model.
+"""Speculative decoding (prompt lookup, and draft models with --draft-model) on vs off, through our engine, on
+the real embedded model.
 
-Each round loads an engine with speculation off and one with it on (same config but `spec_mode`; the 135M
-model loads in a fraction of a second), one at a time so neither's idle threads compete with the other, and
-runs the same requests on each, alternating which goes first, for both prompt sets of measure/workload.py (`copy`: edit code / quote a
+Each round loads an engine with speculation off and one per speculating config (same config but `spec_mode`;
+the 135M model loads in a fraction of a second), one at a time so no idle engine's threads compete, and runs
+the same requests on each, in an order rotated every round, for both prompt sets of measure/workload.py (`copy`: edit code / quote a
 text, `plain`: free writing), single stream and `--concurrency` streams. Reported per set: median decode
 tok/s of a single stream, median aggregate tok/s, the on/off ratios, the acceptance rate (accepted / drafted
 guesses), and whether the greedy texts were identical (they must be: speculation is lossless).
@@ -11,6 +12,8 @@ guesses), and whether the greedy texts were identical (they must be: speculation
 Random-weight models cannot measure acceptance (their greedy loops flatter lookup), hence the real model.
 
     python scripts/bench_spec.py --rounds 5 --out docs/results/bench_spec_cpu.json
+    python scripts/make_draft_gguf.py --layers 12 --out results/draft-12.gguf    # a draft sharing the vocabulary
+    python scripts/bench_spec.py --no-ngram --draft-model results/draft-12.gguf --draft-model <the model itself>
 """
 
 from __future__ import annotations
@@ -36,13 +39,17 @@ from serving.config import EngineConfig, SpecMode  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 
 
-def round_of(configs: dict[SpecMode, EngineConfig], prompt_set: PromptSet, args: argparse.Namespace,
-             first: SpecMode, number: int) -> dict[SpecMode, dict[str, Any]]:
-    """One round: the same single and concurrent requests on both configs, `first` going first."""
+OFF = "off"
+
+
+def round_of(configs: dict[str, EngineConfig], prompt_set: PromptSet, args: argparse.Namespace, shift: int,
+             number: int) -> dict[str, dict[str, Any]]:
+    """One round: the same single and concurrent requests on every config, in an order rotated by `shift`."""
     workload = Workload(gen_tokens=args.gen_tokens, levels=(1, args.concurrency), prompt_set=prompt_set,
                         honour_eos=True)  # an EOS-less greedy loop would flatter prompt lookup
-    order = [first, *(m for m in configs if m != first)]
-    return {mode: asyncio.run(_measure(configs[mode], workload, number)) for mode in order}
+    names = list(configs)
+    order = names[shift % len(names):] + names[:shift % len(names)]
+    return {name: asyncio.run(_measure(configs[name], workload, number)) for name in order}
 
 
 async def _measure(config: EngineConfig, workload: Workload, number: int) -> dict[str, Any]:
@@ -65,28 +72,47 @@ async def _measure(config: EngineConfig, workload: Workload, number: int) -> dic
             "accepted": after["spec_accepted"] - before["spec_accepted"]}
 
 
-def summarise(rounds: list[dict[SpecMode, dict[str, Any]]]) -> dict[str, Any]:
-    med = {m.value: {k: statistics.median(v for r in rounds if (v := r[m][k]) is not None)  # None: EOS at once
-                     for k in ("single_tok_s", "aggregate_tok_s")} for m in rounds[0]}
-    on, off = med[SpecMode.ngram.value], med[SpecMode.off.value]
-    drafted = sum(r[SpecMode.ngram]["drafted"] for r in rounds)
-    accepted = sum(r[SpecMode.ngram]["accepted"] for r in rounds)
-    return {"median": med,
-            "on_over_off": {k: on[k] / off[k] for k in on},
-            "acceptance": accepted / drafted if drafted else None, "drafted": drafted, "accepted": accepted,
-            "greedy_identical": all(r[SpecMode.ngram]["texts"] == r[SpecMode.off]["texts"] for r in rounds)}
+def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Per speculating config: medians, on/off ratios, acceptance, and whether every greedy text was the
+    one speculation off gave."""
+    med = {name: {k: statistics.median(v for r in rounds if (v := r[name][k]) is not None)  # None: EOS at once
+                  for k in ("single_tok_s", "aggregate_tok_s")} for name in rounds[0]}
+    out = {}
+    for name in (n for n in med if n != OFF):
+        drafted = sum(r[name]["drafted"] for r in rounds)
+        accepted = sum(r[name]["accepted"] for r in rounds)
+        out[name] = {"median": med[name], "off": med[OFF],
+                     "on_over_off": {k: med[name][k] / med[OFF][k] for k in med[name]},
+                     "acceptance": accepted / drafted if drafted else None, "drafted": drafted,
+                     "accepted": accepted,
+                     "greedy_identical": all(r[name]["texts"] == r[OFF]["texts"] for r in rounds)}
+    return out
 
 
 def table(results: dict[str, dict[str, Any]], concurrency: int) -> str:
-    lines = [f"| prompt set | single tok/s on / off | x | {concurrency}-way tok/s on / off | x | acceptance "
-             "| greedy identical |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name, res in results.items():
-        on, off, x = res["median"]["ngram"], res["median"]["off"], res["on_over_off"]
-        acc = "-" if res["acceptance"] is None else f"{res['acceptance']:.0%} of {res['drafted']}"
-        lines.append(f"| {name} | {on['single_tok_s']:.1f} / {off['single_tok_s']:.1f} | {x['single_tok_s']:.2f} "
-                     f"| {on['aggregate_tok_s']:.1f} / {off['aggregate_tok_s']:.1f} | {x['aggregate_tok_s']:.2f} "
-                     f"| {acc} | {res['greedy_identical']} |")
+    lines = [f"| prompt set | speculation | single tok/s on / off | x | {concurrency}-way tok/s on / off | x "
+             "| acceptance | greedy identical |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for prompt_set, per_config in results.items():
+        for name, res in per_config.items():
+            on, off, x = res["median"], res["off"], res["on_over_off"]
+            acc = "-" if res["acceptance"] is None else f"{res['acceptance']:.0%} of {res['drafted']}"
+            lines.append(f"| {prompt_set} | {name} | {on['single_tok_s']:.1f} / {off['single_tok_s']:.1f} "
+                         f"| {x['single_tok_s']:.2f} | {on['aggregate_tok_s']:.1f} / {off['aggregate_tok_s']:.1f} "
+                         f"| {x['aggregate_tok_s']:.2f} | {acc} | {res['greedy_identical']} |")
     return "\n".join(lines)
+
+
+def configs_of(args: argparse.Namespace) -> dict[str, EngineConfig]:
+    base = EngineConfig(n_parallel=args.concurrency, n_ctx=args.concurrency * 2048, seed=1, n_threads=args.threads)
+    spec = {"spec_draft_max": args.draft_max, "spec_max_busy": args.max_busy}
+    configs = {OFF: base}
+    if not args.no_ngram:
+        configs[SpecMode.ngram.value] = base.model_copy(update={"spec_mode": SpecMode.ngram, **spec})
+    for path in args.draft_model:
+        configs[f"draft {path.name}"] = EngineConfig(**{**base.model_dump(exclude_none=True), **spec,
+                                                         "spec_mode": SpecMode.draft, "draft_model": path,
+                                                         "spec_draft_p_min": args.draft_p_min})
+    return configs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -96,30 +122,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--draft-max", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="n_threads (default: all CPUs)")
-    parser.add_argument("--max-busy", type=int, default=1, help="spec_max_busy of the speculating engine")
+    parser.add_argument("--max-busy", type=int, default=1, help="spec_max_busy of the speculating engines")
+    parser.add_argument("--draft-model", type=Path, action="append", default=[],
+                        help="also measure spec_mode draft with this draft model (repeat for more)")
+    parser.add_argument("--draft-p-min", type=float, default=0.75, help="spec_draft_p_min of the draft engines")
+    parser.add_argument("--no-ngram", action="store_true", help="leave prompt lookup out")
+    parser.add_argument("--prompt-set", choices=[s.value for s in PromptSet], action="append",
+                        help="the sets to run (default: copy, then plain)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench_spec.json")
     args = parser.parse_args(argv)
-    base = EngineConfig(n_parallel=args.concurrency, n_ctx=args.concurrency * 2048, seed=1, n_threads=args.threads)
-    configs = {SpecMode.off: base,
-               SpecMode.ngram: base.model_copy(update={"spec_mode": SpecMode.ngram, "spec_draft_max": args.draft_max,
-                                                       "spec_max_busy": args.max_busy})}
+    configs = configs_of(args)
     results = {}
-    for prompt_set in (PromptSet.copy, PromptSet.plain):
+    for prompt_set in [PromptSet(s) for s in args.prompt_set or (PromptSet.copy.value, PromptSet.plain.value)]:
         rounds = []
         for i in range(args.rounds):
-            first = SpecMode.off if i % 2 == 0 else SpecMode.ngram
-            rounds.append(round_of(configs, prompt_set, args, first, i + 1))
+            rounds.append(round_of(configs, prompt_set, args, i, i + 1))
             print(f"{prompt_set.value} round {i + 1}/{args.rounds}: "
-                  + ", ".join(f"{m.value} {r['single_tok_s'] or 0:.1f}/{r['aggregate_tok_s']:.1f}"
-                              for m, r in rounds[-1].items()), flush=True)
+                  + ", ".join(f"{name} {r['single_tok_s'] or 0:.1f}/{r['aggregate_tok_s']:.1f}"
+                              for name, r in rounds[-1].items()), flush=True)
         results[prompt_set.value] = summarise(rounds)
-    report = {"provenance": provenance(), "config": base.to_yaml_dict(), "draft_max": args.draft_max,
-              "max_busy": args.max_busy, "results": results}
+    report = {"provenance": provenance(), "configs": {n: c.to_yaml_dict() for n, c in configs.items()},
+              "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(table(results, args.concurrency))
     print(f"wrote {args.out}")
-    return 0 if all(r["greedy_identical"] for r in results.values()) else 1
+    return 0 if all(r["greedy_identical"] for per in results.values() for r in per.values()) else 1
 
 
 if __name__ == "__main__":

@@ -48,10 +48,12 @@ class FlashAttn(str, Enum):
 
 
 class SpecMode(str, Enum):
-    """Speculative decoding: off, or prompt lookup (n-gram guesses from the request's own text)."""
+    """Speculative decoding: off, prompt lookup (n-gram guesses from the request's own text), or a draft
+    model (a smaller GGUF with the same vocabulary guesses ahead)."""
 
     off = "off"
     ngram = "ngram"
+    draft = "draft"
 
 
 class CpuRepack(str, Enum):
@@ -107,14 +109,20 @@ class EngineConfig(BaseModel):
     n_threads: int | None = Field(None, ge=1, description="decode threads [-t]; default: llama.cpp's choice")
     n_threads_batch: int | None = Field(None, ge=1, description="prompt threads [-tb]; default: n_threads")
     seed: int = Field(-1, description="default sampling seed for requests that set none; -1 = random")
-    spec_mode: SpecMode = Field(SpecMode.off, description="speculative decoding: off | ngram (prompt lookup)")
+    spec_mode: SpecMode = Field(SpecMode.off, description="speculative decoding: off | ngram (prompt lookup) | "
+                                "draft (a draft model)")
     spec_draft_max: int = Field(16, ge=1, le=64, description="most tokens guessed per step [--draft-max]")
     spec_ngram_min: int = Field(2, ge=1, le=16, description="shortest n-gram prompt lookup matches")
     spec_ngram_max: int = Field(4, ge=1, le=16, description="longest n-gram prompt lookup matches (tried first)")
     spec_max_busy: int = Field(1, ge=1, description="speculate only while at most this many slots are busy: "
                                "guesses take batch rows that concurrent streams need")
+    draft_model: Path | None = Field(None, description="the draft model of spec_mode draft: a GGUF sharing the "
+                                     "model's vocabulary [-md]")
+    draft_n_gpu_layers: int = Field(-1, ge=-1, description="draft model layers on the GPU, -1 = all [-ngld]")
+    spec_draft_p_min: float = Field(0.75, ge=0.0, le=1.0, description="the draft model stops guessing when its "
+                                    "top token's probability is below this [--draft-p-min]")
 
-    @field_validator("model", mode="before")
+    @field_validator("model", "draft_model", mode="before")
     @classmethod
     def _expand_model(cls, value: Any) -> Any:
         if isinstance(value, str) and value:
@@ -140,6 +148,9 @@ class EngineConfig(BaseModel):
                 f"a quantised V cache (type_v={self.type_v.value}) needs flash attention: "
                 "set flash_attn to 'on' (or 'auto'), or type_v to 'f16'"
             )
+        if self.spec_mode == SpecMode.draft and self.draft_model is None:
+            raise ValueError("spec_mode draft needs a draft model: set draft_model to a GGUF file that shares the "
+                             "model's vocabulary (or use spec_mode ngram, which needs none)")
         if self.spec_ngram_min > self.spec_ngram_max:
             raise ValueError(f"spec_ngram_min ({self.spec_ngram_min}) must be <= spec_ngram_max "
                              f"({self.spec_ngram_max})")
@@ -167,7 +178,18 @@ class EngineConfig(BaseModel):
         """The scheduler's speculation settings, or None when speculation is off."""
         if self.spec_mode == SpecMode.off:
             return None
-        return SpecSettings(self.spec_draft_max, self.spec_ngram_min, self.spec_ngram_max, self.spec_max_busy)
+        return SpecSettings(self.spec_draft_max, self.spec_ngram_min, self.spec_ngram_max, self.spec_max_busy,
+                            self.spec_draft_p_min)
+
+    @property
+    def draft(self) -> EngineConfig | None:
+        """The draft model's own context (spec_mode draft): one sequence per slot of the same cells, f16 K/V
+        (llama-server's default for it), the batch sizes, threads and attention of the model's."""
+        if self.spec_mode != SpecMode.draft or self.draft_model is None:
+            return None
+        return self.model_copy(update={"model": self.draft_model, "n_gpu_layers": self.draft_n_gpu_layers,
+                                       "type_k": CacheType.f16, "type_v": CacheType.f16,
+                                       "spec_mode": SpecMode.off, "draft_model": None})
 
     @property
     def model_path(self) -> Path:
@@ -182,6 +204,11 @@ class EngineConfig(BaseModel):
         """True when `other` can reuse this config's loaded weights (only the context has to be rebuilt)."""
         return (self.model_path == other.model_path and self.n_gpu_layers == other.n_gpu_layers
                 and self.cpu_repack == other.cpu_repack)
+
+    def same_draft_weights(self, other: EngineConfig) -> bool:
+        """True when both have a draft model and `other` can reuse this one's loaded draft weights."""
+        mine, theirs = self.draft, other.draft
+        return mine is not None and theirs is not None and mine.same_weights(theirs)
 
     def to_yaml_dict(self) -> dict[str, Any]:
         """Plain values for YAML: enums as strings, paths as strings, unset fields left out."""

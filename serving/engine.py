@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from serving.llama import LlamaContext, LlamaModel  # first: loads ray, then libllama (see serving/llama.py)
+# first: loads ray, then libllama (see serving/llama.py)
+from serving.llama import LlamaContext, LlamaModel, check_draft_vocabulary
 
 import numpy as np  # noqa: E402
 
@@ -90,7 +91,17 @@ class Engine:
         self._model: LlamaModel | None = self._load_model(config)
         self._template = self._chat_template(self._model)
         self._ctx = LlamaContext(self._model, config, default_threads())
-        self._scheduler = Scheduler(self._ctx, config.n_parallel, config.seed, config.speculation)
+        self._draft_model: LlamaModel | None = None  # spec_mode draft: the draft model's weights ...
+        self._draft_loaded: EngineConfig | None = None  # ... loaded for this draft config
+        self._draft_ctx: LlamaContext | None = None
+        try:
+            self._draft_ctx = self._draft_context(config, self._model)
+        except EngineError:
+            self._ctx.free()
+            self._model.free()
+            raise
+        self._scheduler = Scheduler(self._ctx, config.n_parallel, config.seed, config.speculation,
+                                    draft=self._draft_ctx)
         self._outputs = OutputProcessor(self._model.token_bytes)
         self._n_ctx_slot = self._ctx.n_ctx_seq
         self._wake = threading.Event()
@@ -358,6 +369,7 @@ class Engine:
             if command.future.set_running_or_notify_cancel():
                 command.future.set_exception(EngineStoppedError(SHUTTING_DOWN))
         self._ctx.free()
+        self._free_draft(keep_weights=False)
         with self._model_lock:
             model, self._model = self._model, None
         if model is not None:
@@ -408,6 +420,7 @@ class Engine:
         old = self.config
         reload = not config.same_weights(old)
         self._ctx.free()
+        self._free_draft(keep_weights=config.same_draft_weights(old))
         if reload:
             self._drop_model()
         try:
@@ -433,13 +446,47 @@ class Engine:
             if load_weights:
                 model.free()
             raise
+        try:
+            draft_ctx = self._draft_context(config, model)
+        except EngineError:
+            ctx.free()
+            if load_weights:
+                model.free()
+            raise
         if load_weights:
             with self._model_lock:
                 self._model = model
             self._template = self._chat_template(model)
             self._outputs.rebind(model.token_bytes)
         self._ctx, self.config, self._n_ctx_slot = ctx, config, ctx.n_ctx_seq
-        self._scheduler.rebind(ctx, config.n_parallel, config.seed, config.speculation)
+        self._draft_ctx = draft_ctx
+        self._scheduler.rebind(ctx, config.n_parallel, config.seed, config.speculation, draft=draft_ctx)
+
+    def _draft_context(self, config: EngineConfig, model: LlamaModel) -> LlamaContext | None:
+        """The draft model's context for `config` (spec_mode draft), its weights loaded unless the loaded
+        ones serve, and checked to share `model`'s vocabulary; None without a draft model."""
+        draft = config.draft
+        if draft is None:
+            return None
+        if self._draft_model is None or self._draft_loaded is None or not draft.same_weights(self._draft_loaded):
+            self._free_draft(keep_weights=False)
+            loaded = LlamaModel(draft.model_path, draft.n_gpu_layers, extra_bufts=use_extra_bufts(draft))
+            try:
+                check_draft_vocabulary(model, loaded)
+            except EngineError:
+                loaded.free()
+                raise
+            self._draft_model, self._draft_loaded = loaded, draft
+        return LlamaContext(self._draft_model, draft, default_threads())
+
+    def _free_draft(self, keep_weights: bool) -> None:
+        """Free the draft model's context (and its weights unless the next config keeps them)."""
+        ctx, self._draft_ctx = self._draft_ctx, None
+        if ctx is not None:
+            ctx.free()
+        if not keep_weights and self._draft_model is not None:
+            self._draft_model.free()
+            self._draft_model, self._draft_loaded = None, None
 
     def _drop_model(self) -> None:
         with self._model_lock:

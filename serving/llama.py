@@ -149,6 +149,28 @@ class LlamaModel:
             self.ptr = None
 
 
+VOCAB_SAMPLES = 512  # token ids compared between a model and its draft model (spread over the vocabulary)
+
+
+def check_draft_vocabulary(model: LlamaModel, draft: LlamaModel) -> None:
+    """A draft model must share the model's vocabulary, or its guesses are other tokens: the same size, the
+    same BOS/EOS, the same bytes for a sample of ids (llama.cpp's common_speculative_are_compatible checks
+    alike)."""
+    def mismatch(what: str) -> EngineError:
+        return EngineError(f"draft model {draft.path} does not share the vocabulary of {model.path} ({what}): "
+                           "use a draft model of the same family and tokenizer")
+
+    if draft.n_vocab != model.n_vocab:
+        raise mismatch(f"{draft.n_vocab} tokens against {model.n_vocab}")
+    for name, get in (("BOS", ll.llama_vocab_bos), ("EOS", ll.llama_vocab_eos)):
+        if get(draft.vocab) != get(model.vocab):
+            raise mismatch(f"another {name} token")
+    step = max(model.n_vocab // VOCAB_SAMPLES, 1)
+    for token in range(0, model.n_vocab, step):
+        if draft.token_text(token) != model.token_text(token):
+            raise mismatch(f"token {token} is {draft.token_text(token)!r}, not {model.token_text(token)!r}")
+
+
 class Batch:
     """A llama_batch whose arrays are numpy buffers, so filling a prompt chunk is a slice copy, not a loop."""
 

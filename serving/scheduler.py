@@ -25,7 +25,9 @@ from enum import Enum
 from typing import Protocol
 
 from serving.request import FinishReason, Request, SamplingParams, TokenLogprob, Usage
-from serving.speculate import Acceptance, PromptLookup, SpecSettings, StepCosts, draft_length
+from serving.speculate import (
+    Acceptance, DraftContext, Drafter, ModelDrafter, PromptLookup, SpecSettings, StepCosts, draft_length,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,29 +51,14 @@ class TokenSampler(Protocol):
     def free(self) -> None: ...
 
 
-class ModelContext(Protocol):
-    """What the scheduler needs of a llama.cpp context: one batch, one decode, per-sequence cache trims."""
-
-    n_ctx_seq: int
-
-    @property
-    def batch_capacity(self) -> int: ...
+class ModelContext(DraftContext, Protocol):
+    """What the scheduler needs of a llama.cpp context: one batch, one decode, per-sequence cache trims (a
+    draft model's context needs the same, less what sampling and sharing prompts take)."""
 
     @property
     def batch_size(self) -> int: ...
 
-    def clear_batch(self) -> None: ...
-
-    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool,
-                     all_logits: bool = False) -> int: ...
-
-    def decode(self) -> int: ...
-
-    def greedy(self, row: int) -> int: ...
-
     def new_sampler(self, params: SamplingParams, default_seed: int) -> TokenSampler: ...
-
-    def forget(self, seq_id: int, from_pos: int = 0) -> None: ...
 
     def copy_seq(self, src: int, dst: int) -> None: ...
 
@@ -118,7 +105,7 @@ class Slot:
     last_used: float = 0.0
     clones: list[Slot] = field(default_factory=list)  # other choices of this request, waiting for its prompt
     leader: Slot | None = None  # the slot whose prompt this choice will copy
-    drafter: PromptLookup | None = None  # speculation: guesses tokens from the request's own text
+    drafter: Drafter | None = None  # speculation: guesses what follows (prompt lookup, or a draft model)
     acceptance: Acceptance = field(default_factory=Acceptance)  # how its guesses fared (sets the draft length)
     draft: list[int] = field(default_factory=list)  # guesses in the batch being decoded, after next_token
 
@@ -163,7 +150,8 @@ class Scheduler:
     """Owned by the engine's step thread: nothing here is called from any other thread but `snapshot`."""
 
     def __init__(self, ctx: ModelContext, n_parallel: int, default_seed: int,
-                 spec: SpecSettings | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 spec: SpecSettings | None = None, clock: Callable[[], float] = time.perf_counter,
+                 draft: DraftContext | None = None) -> None:
         self.waiting: collections.deque[list[Request]] = collections.deque()  # groups: a request's choices
         self.admitting = True  # the engine pauses admission while a command waits for the slots to drain
         self.counters = Counters()
@@ -171,13 +159,15 @@ class Scheduler:
         self.requests_per_s = 0.0  # recent finish rate (EMA), for Retry-After estimates
         self._last_finish = 0.0
         self._in_batch: set[int] = set()  # seq ids with rows in the batch being decoded
-        self.rebind(ctx, n_parallel, default_seed, spec)
+        self.rebind(ctx, n_parallel, default_seed, spec, draft)
 
     def rebind(self, ctx: ModelContext, n_parallel: int, default_seed: int,
-               spec: SpecSettings | None = None) -> None:
-        """Use a (new) context; all slots start empty. Only called while no slot is busy."""
+               spec: SpecSettings | None = None, draft: DraftContext | None = None) -> None:
+        """Use a (new) context, and the draft model's context when speculation guesses with one; all slots
+        start empty. Only called while no slot is busy."""
         self._ctx, self._seed, self._spec = ctx, default_seed, spec
         self.slots = [Slot(seq_id=i) for i in range(n_parallel)]
+        self._draft_model = ModelDrafter(draft, n_parallel, spec.p_min) if draft is not None and spec else None
         self._costs = StepCosts()  # what a step costs by its rows, on this machine and this context
 
     def add(self, choices: list[Request]) -> None:
@@ -205,6 +195,7 @@ class Scheduler:
         busy = sum(1 for s in self.slots if s.request is not None)
         speculate = self._spec is not None and busy <= self._spec.max_busy
         room = ctx.batch_capacity - len(generating)
+        t0 = self._clock()  # a step's cost includes its guessing (a draft model's decodes)
         for i, slot in enumerate(generating):  # rows without this slot's guesses: so far + the slots to come
             slot.draft = self._draft(slot, room, ctx.batch_size + len(generating) - i) if speculate else []
             room -= len(slot.draft)
@@ -216,7 +207,6 @@ class Scheduler:
         self._add_prompt_chunks()
         if ctx.batch_size == 0:
             return outputs, False
-        t0 = self._clock()
         if self._decode(outputs):
             self._share_prompts()
             self._sample(outputs)
@@ -225,15 +215,15 @@ class Scheduler:
         return outputs, True
 
     def _draft(self, slot: Slot, room: int, rows: int) -> list[int]:
-        """Guesses to verify after the slot's next token, in a batch of `rows` rows so far: what prompt
-        lookup offers, within what the batch, the request's remaining tokens and the slot's cells allow (k
-        guesses yield up to k + 1 tokens), cut to the count that pays on this machine (speculate.py)."""
+        """Guesses to verify after the slot's next token, in a batch of `rows` rows so far: as many as pay on
+        this machine (speculate.py), within what the batch, the request's remaining tokens and the slot's
+        cells allow (k guesses yield up to k + 1 tokens); the drafter may offer fewer."""
         if slot.drafter is None or self._spec is None or slot.next_token is None:
             return []
-        k = min(self._spec.draft_max, room, slot.limit - slot.usage.completion_tokens - 1,
-                self._ctx.n_ctx_seq - len(slot.cache) - 2)
-        offered = slot.drafter.propose([*slot.cache, slot.next_token], k) if k > 0 else []
-        return offered[:draft_length(slot.acceptance, self._costs, len(offered), rows)]
+        most = min(self._spec.draft_max, room, slot.limit - slot.usage.completion_tokens - 1,
+                   self._ctx.n_ctx_seq - len(slot.cache) - 2)
+        k = draft_length(slot.acceptance, self._costs, max(most, 0), rows)
+        return slot.drafter.propose([*slot.cache, slot.next_token], k) if k > 0 else []
 
     def _add_prompt_chunks(self) -> None:
         ctx = self._ctx
@@ -426,7 +416,7 @@ class Scheduler:
         room = self._ctx.n_ctx_seq - len(prompt)
         slot.limit = min(params.max_tokens, room) if params.max_tokens else room
         slot.sampler = None
-        slot.drafter = PromptLookup(self._spec) if self._spec is not None else None
+        slot.drafter = self._new_drafter(slot)
         slot.acceptance = Acceptance()
         slot.draft = []
         self.counters.prompt_tokens += len(prompt)
@@ -436,6 +426,13 @@ class Scheduler:
             if params.has_penalties:  # penalties see the prompt's tail, as in llama-server
                 last_n = params.penalty_last_n
                 slot.sampler.accept(prompt[-last_n:] if last_n > 0 else prompt)
+
+    def _new_drafter(self, slot: Slot) -> Drafter | None:
+        if self._spec is None:
+            return None
+        if self._draft_model is not None:
+            return self._draft_model.for_slot(slot.seq_id)
+        return PromptLookup(self._spec)
 
     # -- leaving -------------------------------------------------------------------------------------
     def finish(self, request_id: int, reason: FinishReason) -> None:

@@ -17,7 +17,13 @@ per second, or none when guessing would be slower than not.
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,13 @@ class SpecSettings:
     ngram_min: int = 2  # shortest n-gram looked up
     ngram_max: int = 4  # longest n-gram looked up (tried first)
     max_busy: int = 1  # speculate only while at most this many slots generate: guesses cost batch rows
+    p_min: float = 0.75  # a draft model stops guessing below this top-token probability
+
+
+class Drafter(Protocol):
+    """One slot's guesser: up to k tokens expected to follow `tokens` (the slot's tokens, then its next)."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]: ...
 
 
 class PromptLookup:
@@ -136,18 +149,118 @@ def expected_tokens(p: float, k: int) -> float:
     return float(k + 1) if p >= 1.0 else (1.0 - p ** (k + 1)) / (1.0 - p)
 
 
-def draft_length(acceptance: Acceptance, costs: StepCosts, offered: int, base: int) -> int:
-    """How many of the `offered` guesses to verify in a step that already carries `base` rows: the count
+def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int) -> int:
+    """How many guesses (at most `most`) to verify in a step that already carries `base` rows: the count
     whose tokens per second beat the step without guesses by the most, or 0 when none does (a guess is a
-    batch row, and rows cost what StepCosts measured). Every PROBE_EVERY steps without a draft, one guess
-    anyway, so a request whose text turns copyable is noticed."""
+    batch row, and a step costs what StepCosts measured, the guessing included). Every PROBE_EVERY steps
+    without a draft, one guess anyway, so a request whose text turns predictable is noticed."""
     best_k, best_gain = 0, 1.0
-    for k in range(1, offered + 1):
+    for k in range(1, most + 1):
         gain = (base - 1 + expected_tokens(acceptance.p, k)) / base / costs.relative(base + k, base)
         if gain > best_gain:
             best_k, best_gain = k, gain
-    if best_k == 0 and offered > 0:
+    if best_k == 0 and most > 0:
         acceptance.idle_steps += 1
         if acceptance.idle_steps >= PROBE_EVERY:
+            acceptance.idle_steps = 0
             return 1
     return best_k
+
+
+class DraftContext(Protocol):
+    """What the draft model's llama.cpp context offers (serving/llama.py's LlamaContext fits)."""
+
+    n_ctx_seq: int
+
+    @property
+    def batch_capacity(self) -> int: ...
+
+    def clear_batch(self) -> None: ...
+
+    def add_to_batch(self, tokens: Sequence[int], start_pos: int, seq_id: int, want_logits: bool,
+                     all_logits: bool = False) -> int: ...
+
+    def decode(self) -> int: ...
+
+    def greedy(self, row: int) -> int: ...
+
+    def logprobs(self, row: int, token: int, top_n: int) -> Any: ...
+
+    def forget(self, seq_id: int, from_pos: int = 0) -> None: ...
+
+
+class ModelDrafter:
+    """Guesses from a draft model: a smaller GGUF with the same vocabulary, run greedily ahead of the model
+    in a context of its own with one sequence per slot. Before guessing, a slot's draft sequence is brought in
+    step with the slot's tokens (its cells trimmed to the common prefix, the missing tokens decoded), so the
+    guesses the model rejected last time are dropped here too. Guessing stops at `k`, or when the draft's
+    top token is less likely than `p_min` (llama-server's --draft-p-min): an unsure guess costs a verify row
+    and is likely wrong."""
+
+    def __init__(self, ctx: DraftContext, n_seqs: int, p_min: float) -> None:
+        self._ctx, self._p_min = ctx, p_min
+        self._cells: list[list[int]] = [[] for _ in range(n_seqs)]  # exactly the tokens each sequence holds
+
+    def for_slot(self, seq_id: int) -> Drafter:
+        """The drafter of one slot (a fresh request on it: its sequence is trimmed as the first guess needs)."""
+        return _SlotDraft(self, seq_id)
+
+    def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
+        if k <= 0 or not tokens:
+            return []
+        row = self._catch_up(seq_id, tokens)
+        guesses: list[int] = []
+        while row >= 0:
+            token = self._ctx.greedy(row)
+            if math.exp(self._ctx.logprobs(row, token, 0).logprob) < self._p_min:
+                break
+            guesses.append(token)
+            if len(guesses) == k or len(self._cells[seq_id]) + 1 >= self._ctx.n_ctx_seq:
+                break
+            row = self._feed(seq_id, [token])
+        return guesses
+
+    def _catch_up(self, seq_id: int, tokens: list[int]) -> int:
+        """Trim the sequence to its common prefix with `tokens` (keeping at least the last token to decode,
+        so its logits exist) and decode the rest; the batch row of the last token's logits, or -1."""
+        cells = self._cells[seq_id]
+        keep = 0
+        limit = min(len(cells), len(tokens) - 1)
+        while keep < limit and cells[keep] == tokens[keep]:
+            keep += 1
+        self._ctx.forget(seq_id, keep)
+        del cells[keep:]
+        if len(tokens) >= self._ctx.n_ctx_seq:
+            return -1
+        row = -1
+        rest = tokens[keep:]
+        step = max(self._ctx.batch_capacity, 1)
+        for start in range(0, len(rest), step):
+            row = self._feed(seq_id, rest[start:start + step])
+            if row < 0:
+                return -1
+        return row
+
+    def _feed(self, seq_id: int, tokens: list[int]) -> int:
+        """Decode `tokens` onto the sequence; the row of the last one's logits, or -1 (the sequence is then
+        dropped: a draft that cannot run proposes nothing, and the request goes on without guesses)."""
+        cells = self._cells[seq_id]
+        self._ctx.clear_batch()
+        row = self._ctx.add_to_batch(tokens, len(cells), seq_id, True)
+        rc = self._ctx.decode()
+        if rc != 0:
+            log.warning("the draft model's decode returned %d; its sequence %d starts over", rc, seq_id)
+            self._ctx.forget(seq_id)
+            cells.clear()
+            return -1
+        cells.extend(tokens)
+        return row
+
+
+@dataclass(frozen=True)
+class _SlotDraft:
+    drafter: ModelDrafter
+    seq_id: int
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self.drafter.propose(self.seq_id, tokens, k)

@@ -164,3 +164,137 @@ def test_recent_verifies_weigh_most() -> None:
     for _ in range(10):
         a.record(8, missed=False)  # the text turned copyable
     assert a.p > 0.9
+
+
+# -- the draft model's drafter, against a fake draft context -----------------------------------------------
+import math  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from serving.speculate import ModelDrafter  # noqa: E402
+
+
+class FakeDraft:
+    """A draft "model" whose next token after t is NEXT[t] with probability SURE[t] (default 0.9); it keeps
+    its own record of each sequence's cells and checks every batch against it."""
+
+    NEXT = {1: 2, 2: 3, 3: 4, 4: 1}
+    SURE: dict[int, float] = {}
+    n_ctx_seq = 64
+    batch_capacity = 4
+
+    def __init__(self) -> None:
+        self.cells: dict[int, list[int]] = {}
+        self.rows: list[tuple[int, int, int]] = []
+        self.decodes = 0
+
+    def clear_batch(self) -> None:
+        self.rows = []
+
+    def add_to_batch(self, tokens, start_pos, seq_id, want_logits, all_logits=False) -> int:  # noqa: ANN001
+        assert len(self.rows) + len(tokens) <= self.batch_capacity
+        self.rows += [(t, start_pos + i, seq_id) for i, t in enumerate(tokens)]
+        return len(self.rows) - 1
+
+    def decode(self) -> int:
+        self.decodes += 1
+        for token, pos, seq in self.rows:
+            cells = self.cells.setdefault(seq, [])
+            assert pos == len(cells), f"draft seq {seq}: position {pos} after {len(cells)} cells"
+            cells.append(token)
+        return 0
+
+    def greedy(self, row: int) -> int:
+        return self.NEXT.get(self.rows[row][0], 1)
+
+    def logprobs(self, row: int, token: int, top_n: int) -> SimpleNamespace:
+        return SimpleNamespace(logprob=math.log(self.SURE.get(self.rows[row][0], 0.9)))
+
+    def forget(self, seq_id: int, from_pos: int = 0) -> None:
+        del self.cells.setdefault(seq_id, [])[from_pos:]
+
+
+def test_the_draft_model_guesses_ahead_and_keeps_its_cells_in_step_with_the_slot() -> None:
+    ctx = FakeDraft()
+    drafter = ModelDrafter(ctx, n_seqs=2, p_min=0.5).for_slot(1)
+    prompt = [7, 7, 7, 7, 7, 1]  # longer than a batch: fed in chunks
+    assert drafter.propose(prompt, 3) == [2, 3, 4]
+    assert ctx.cells[1] == [*prompt, 2, 3]  # the last guess is not decoded: nothing asked for its logits
+    # the model kept 2 and then said 9: the slot holds prompt + [2] and 9 is next; the draft drops 3 and follows
+    assert drafter.propose([*prompt, 2, 9], 2) == [1, 2]
+    assert ctx.cells[1] == [*prompt, 2, 9, 1]
+    assert ctx.cells.get(0, []) == []  # the other slot's sequence is untouched
+
+
+def test_an_unsure_draft_stops_guessing() -> None:
+    class Unsure(FakeDraft):
+        SURE = {3: 0.2}  # after 3 the draft is unsure
+
+    ctx = Unsure()
+    assert ModelDrafter(ctx, n_seqs=1, p_min=0.5).for_slot(0).propose([1, 2], 8) == [3]
+    assert ModelDrafter(Unsure(), n_seqs=1, p_min=0.1).for_slot(0).propose([1, 2], 3) == [3, 4, 1]
+
+
+def test_a_draft_model_that_fails_to_decode_offers_nothing_and_starts_over() -> None:
+    class Failing(FakeDraft):
+        def decode(self) -> int:
+            return 1
+
+    ctx = Failing()
+    assert ModelDrafter(ctx, n_seqs=1, p_min=0.0).for_slot(0).propose([1, 2, 3], 4) == []
+    assert ctx.cells.get(0, []) == []
+
+
+def test_draft_mode_needs_a_draft_model() -> None:
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(spec_mode="draft")
+    config = EngineConfig(spec_mode="draft", draft_model="/models/small.gguf", spec_draft_p_min=0.6)
+    assert config.draft is not None and config.draft.model == Path("/models/small.gguf")
+    assert config.draft.spec_mode.value == "off" and config.speculation is not None
+    assert config.speculation.p_min == 0.6
+    assert EngineConfig(spec_mode="ngram", draft_model="/models/small.gguf").draft is None
+
+
+def test_self_drafting_gives_the_same_greedy_text(pair: tuple[Engine, Engine]) -> None:
+    """The embedded model as its own draft model: every guess it verifies is what it would have said."""
+    plain, _ = pair
+    model = plain.config.model_path
+    drafting = Engine(EngineConfig(n_parallel=2, n_ctx=2048, seed=3, spec_mode="draft", draft_model=model))
+    try:
+        for text in (COPY, "Write two sentences about autumn."):
+            params = SamplingParams(max_tokens=64, temperature=0.0)
+            assert collect(drafting.submit(_chat(drafting, text), params)).text == \
+                collect(plain.submit(_chat(plain, text), params)).text
+        counters = drafting.stats()["counters"]
+        assert counters["spec_drafted"] > 0 and counters["spec_accepted"] >= 0.9 * counters["spec_drafted"]
+        drafting.reconfigure(drafting.config.model_copy(update={"spec_mode": "ngram"}))  # the draft is freed
+        assert collect(drafting.submit(_chat(drafting, COPY), SamplingParams(max_tokens=16, temperature=0.0))).text
+    finally:
+        drafting.close()
+
+
+def test_a_draft_cut_from_the_model_shares_its_vocabulary(tmp_path: Path) -> None:
+    """scripts/make_draft_gguf.py: the first blocks of the embedded model, a draft llama.cpp loads and the
+    engine accepts (same vocabulary), with the block count it was asked for."""
+    import importlib.util
+    import sys
+
+    import gguf
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_draft_gguf.py"
+    spec = importlib.util.spec_from_file_location("make_draft_gguf", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    out = tmp_path / "draft-4.gguf"
+    assert module.main(["--layers", "4", "--out", str(out)]) == 0
+    reader = gguf.GGUFReader(str(out))
+    assert reader.fields["llama.block_count"].contents() == 4
+    assert not any(t.name.startswith("blk.4.") for t in reader.tensors)
+    engine = Engine(EngineConfig(n_parallel=1, n_ctx=512, spec_mode="draft", draft_model=out))
+    try:
+        assert collect(engine.submit(engine.tokenize_prompt("Hello"), SamplingParams(max_tokens=4,
+                                                                                       temperature=0.0))).tokens
+    finally:
+        engine.close()

@@ -192,3 +192,30 @@ def test_llama_cpp_loads_and_evaluates(embedded: object, tiny_models: dict, key:
         assert len(generated) == 4 and max(generated) < model.shape.vocab
     finally:
         engine.close()
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_its_wrong_guesses_change_nothing(tiny_models: dict) -> None:
+    """spec_mode draft with tiny random-weight draft models: one with a padded vocabulary is refused with the
+    reason; one with the embedded vocabulary guesses (p_min 0: always) and is nearly always wrong, and the
+    embedded model's greedy text is still its own (every rejected guess rolled back)."""
+    from tests.helpers import collect
+
+    from serving.config import EngineConfig, embedded_model_path
+    from serving.engine import Engine, EngineError
+
+    base = EngineConfig(n_ctx=1024, n_parallel=1, seed=1)
+    with pytest.raises(EngineError, match="does not share the vocabulary"):
+        Engine(base.model_copy(update={"spec_mode": "draft", "draft_model": tiny_models["q4_k"].path}))
+    drafting = Engine(base.model_copy(update={"spec_mode": "draft", "draft_model": tiny_models["q8_0"].path,
+                                              "spec_draft_p_min": 0.0}))
+    plain = Engine(base)
+    try:
+        assert drafting.config.model_path == embedded_model_path()
+        prompt = plain.tokenize_prompt("The three primary colours are")
+        params = SamplingParams(max_tokens=40, temperature=0.0)
+        assert collect(drafting.submit(prompt, params)).text == collect(plain.submit(prompt, params)).text
+        counters = drafting.stats()["counters"]
+        assert counters["spec_drafted"] > 0 and counters["spec_accepted"] < counters["spec_drafted"]
+    finally:
+        drafting.close()
+        plain.close()

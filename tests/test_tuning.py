@@ -15,7 +15,7 @@ import yaml
 
 from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
 from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, embedded_model_path, load_engine_config
-from tuning.memory import GiB, ModelShape, parse_bytes, predict
+from tuning.memory import GiB, ModelShape, kv_cache_bytes, parse_bytes, predict
 from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
 from tuning.space import SearchSpace, suggest, to_engine_config
 
@@ -604,3 +604,13 @@ def test_capacity_objective_needs_its_floor(capsys: pytest.CaptureFixture) -> No
     with pytest.raises(SystemExit) as exit_:
         main(["--objective", "capacity"])
     assert exit_.value.code == 2 and "--min-stream-tok-s" in capsys.readouterr().err
+
+
+def test_a_draft_model_counts_in_the_memory_prediction(shape: ModelShape) -> None:
+    from serving.config import embedded_model_path
+
+    plain = EngineConfig(n_parallel=2, n_ctx=2048)
+    drafting = plain.model_copy(update={"spec_mode": SpecMode.draft, "draft_model": embedded_model_path()})
+    alone, both = predict(shape, plain, on_gpu=False), predict(shape, drafting, on_gpu=False)
+    assert both.weights == 2 * alone.weights and both.overhead == alone.overhead
+    assert both.kv_cache == alone.kv_cache + kv_cache_bytes(shape, drafting.draft)  # f16 K/V of its own

@@ -9,6 +9,8 @@ for every trial it does run, so the estimate's error is visible.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -147,7 +149,25 @@ def compute_bytes(shape: ModelShape, config: EngineConfig) -> int:
 
 
 def predict(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryEstimate:
-    """Memory the engine will hold on its device: GPU memory if `on_gpu`, else process memory (RSS)."""
+    """Memory the engine will hold on its device: GPU memory if `on_gpu`, else process memory (RSS); with a
+    draft model (spec_mode draft), its weights, K/V and compute buffers too (its header read here)."""
+    own = _one_model(shape, config, on_gpu)
+    draft = config.draft
+    if draft is None:
+        return own
+    path = draft.model_path
+    extra = _one_model(_shape_of(path, path.stat().st_mtime_ns), draft, on_gpu)
+    return MemoryEstimate(weights=own.weights + extra.weights, kv_cache=own.kv_cache + extra.kv_cache,
+                          compute=own.compute + extra.compute, overhead=own.overhead)
+
+
+@functools.lru_cache(maxsize=8)
+def _shape_of(path: Path, mtime_ns: int) -> ModelShape:
+    """A draft model's header, read once per file version (predict runs for every trial)."""
+    return ModelShape.from_gguf(path)
+
+
+def _one_model(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryEstimate:
     layers_on_device = shape.n_layer if config.n_gpu_layers < 0 else min(config.n_gpu_layers, shape.n_layer)
     layer_bytes = shape.bytes_read_per_token
     if on_gpu:

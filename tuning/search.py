@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic progress table w
 os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")  # Ctrl-C reaches main(): stop, and restore in place
 
 from serving import llama as _llama  # noqa: E402,F401  (load order: ray before libllama, see serving/llama.py)
-from serving.config import CacheType, EngineConfig, FlashAttn, load_engine_config  # noqa: E402
+from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, load_engine_config  # noqa: E402
 from measure.device import gpu_memory_total  # noqa: E402
 from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
 from measure.workload import PromptSet  # noqa: E402
@@ -460,6 +460,9 @@ def run(args: argparse.Namespace) -> int:
         space = SearchSpace.from_yaml(args.space)
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from exc
+    if SpecMode.draft in space.spec_mode and base.draft_model is None:
+        raise UserError("the search space lists spec_mode draft, but the base config has no draft_model: set it "
+                        "(a GGUF sharing the model's vocabulary) or drop draft from the space")
     min_ctx = args.min_ctx_per_slot or min(2048, shape.n_ctx_train or 2048)
     try:
         contexts = space.contexts(min_ctx)
