@@ -68,6 +68,7 @@ class EngineStats:
     slots_busy: int
     queue_depth: int
     counters: dict[str, int]
+    spec_acceptance: float | None = None  # accepted / drafted guesses since start; None before any guess
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,10 +198,13 @@ class Engine:
     def snapshot(self) -> EngineStats:
         views = self._scheduler.slot_views()
         slots = [{**asdict(v), "state": v.state.value} for v in views]
+        counters = asdict(self._scheduler.counters)
+        drafted = counters["spec_drafted"]
         return EngineStats(
             config=self.config.to_yaml_dict(), n_ctx_slot=self._n_ctx_slot, weight_loads=self.weight_loads,
             slots=slots, slots_busy=sum(1 for v in views if v.request_id is not None),
-            queue_depth=self.queue_depth, counters=asdict(self._scheduler.counters))
+            queue_depth=self.queue_depth, counters=counters,
+            spec_acceptance=counters["spec_accepted"] / drafted if drafted else None)
 
     @property
     def queue_depth(self) -> int:

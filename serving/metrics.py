@@ -62,6 +62,10 @@ class ReplicaMetrics:
             "kv_total": prom.Gauge("llm_kv_cells", "K/V cells allocated, all slots.", labels, registry=reg),
             "config": prom.Gauge("llm_engine_config", "The running engine config (value 1; the config in labels).",
                                  (*labels, *CONFIG_LABELS), registry=reg),
+            "drafted": prom.Counter("llm_spec_draft_tokens", "Speculative guesses verified.", labels, registry=reg),
+            "accepted": prom.Counter("llm_spec_accepted_tokens", "Speculative guesses kept.", labels, registry=reg),
+            "acceptance": prom.Gauge("llm_spec_acceptance_rate", "Guesses kept / verified, since the engine started.",
+                                     labels, registry=reg),
         }
         tags = ("model",)
         # Ray annotates tag_keys as a one-element tuple; any length works (hence two type: ignore below)
@@ -85,7 +89,14 @@ class ReplicaMetrics:
             "busy": ray_metrics.Gauge("llm_slots_busy", description="Slots in use.", tag_keys=tags),
             "kv": ray_metrics.Gauge("llm_kv_cells_used", description="K/V cells holding tokens.", tag_keys=tags),
             "kv_total": ray_metrics.Gauge("llm_kv_cells", description="K/V cells allocated.", tag_keys=tags),
+            "drafted": ray_metrics.Counter("llm_spec_draft_tokens", description="Speculative guesses verified.",
+                                           tag_keys=tags),
+            "accepted": ray_metrics.Counter("llm_spec_accepted_tokens", description="Speculative guesses kept.",
+                                            tag_keys=tags),
+            "acceptance": ray_metrics.Gauge("llm_spec_acceptance_rate", description="Guesses kept / verified, "
+                                            "since the engine started.", tag_keys=tags),
         }
+        self._spec_seen = {"drafted": 0, "accepted": 0}  # the engine's totals at the last snapshot
 
     def _labels(self, **extra: str) -> tuple[dict[str, str], dict[str, str]]:
         """(prometheus labels, Ray tags) for the current model."""
@@ -129,9 +140,25 @@ class ReplicaMetrics:
         for name, value in values.items():
             self._prom[name].labels(**labels).set(value)
             self._ray[name].set(value, tags=tags)
+        self._record_speculation(stats)
         config = stats["config"]
         self._prom["config"].clear()
         self._prom["config"].labels(**labels, **{k: str(config.get(k, "")) for k in CONFIG_LABELS}).set(1)
+
+    def _record_speculation(self, stats: dict[str, Any]) -> None:
+        """The engine counts guesses since it started; the counters here grow by what it counted since the
+        last snapshot (all of it after an engine restart, whose totals start again)."""
+        counters = stats["counters"]
+        for name, key in (("drafted", "spec_drafted"), ("accepted", "spec_accepted")):
+            total, seen = counters[key], self._spec_seen[name]
+            delta = total - seen if total >= seen else total
+            if delta:
+                self._inc(name, delta)
+            self._spec_seen[name] = total
+        if stats.get("spec_acceptance") is not None:
+            labels, tags = self._labels()
+            self._prom["acceptance"].labels(**labels).set(stats["spec_acceptance"])
+            self._ray["acceptance"].set(stats["spec_acceptance"], tags=tags)
 
     def exposition(self, stats: dict[str, Any] | None = None) -> bytes:
         """Prometheus text format of this replica's metrics; gauges refreshed from `stats` when given."""

@@ -298,3 +298,23 @@ def test_a_draft_cut_from_the_model_shares_its_vocabulary(tmp_path: Path) -> Non
                                                                                        temperature=0.0))).tokens
     finally:
         engine.close()
+
+
+def test_speculation_counters_reach_the_metrics_as_deltas() -> None:
+    """/metrics: the engine's totals become counters that grow by what was counted since the last snapshot
+    (an engine restart starts its totals again), and the acceptance rate a gauge."""
+    from serving.metrics import ReplicaMetrics
+
+    def lines(text: bytes) -> dict[str, float]:
+        return {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.decode().splitlines()
+                if ln.startswith("llm_spec_") and "_created" not in ln}
+
+    metrics = ReplicaMetrics("r", "m")
+    stats = {"queue_depth": 0, "slots_busy": 0, "slots": [], "n_ctx_slot": 1, "config": {},
+             "counters": {"spec_drafted": 10, "spec_accepted": 7}, "spec_acceptance": 0.7}
+    assert lines(metrics.exposition(stats)) == {"llm_spec_draft_tokens_total": 10.0,
+                                                "llm_spec_accepted_tokens_total": 7.0, "llm_spec_acceptance_rate": 0.7}
+    restarted = {**stats, "counters": {"spec_drafted": 4, "spec_accepted": 1}, "spec_acceptance": 0.25}
+    assert lines(metrics.exposition(restarted)) == {"llm_spec_draft_tokens_total": 14.0,
+                                                    "llm_spec_accepted_tokens_total": 8.0,
+                                                    "llm_spec_acceptance_rate": 0.25}
