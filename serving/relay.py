@@ -62,6 +62,9 @@ class RelayedRequest:
                 "client": self.client, "server": None, "state": {}}
 
 
+UNHELD_PARTS = 2  # a stream's first parts are never held for company (its opening, its first token)
+
+
 @dataclass(frozen=True)
 class RelayedPart:
     """A run of the app's response: the status line and headers (first part only), then body bytes;
@@ -78,11 +81,12 @@ async def run_relayed(app: ASGIApp, request: RelayedRequest,
     """Run `request` through `app`; yield its response in parts, each holding all it sent since the last.
 
     The status is never sent alone: it travels with the first body bytes, so a whole (non-streaming) answer
-    is one part and a replica that dies before the body leaves nothing half-sent. After the first part, parts
-    are at least `spacing()` seconds apart (asked before each part; what comes in between travels
-    together): every part costs Python work in two Serve hops that, on a small CPU, preempts the decode
-    threads. When the caller goes away (the generator is closed or cancelled) the app sees
-    `http.disconnect` and its task is cancelled.
+    is one part and a replica that dies before the body leaves nothing half-sent. After the first
+    UNHELD_PARTS parts, parts are at least `spacing()` seconds apart (asked before each part; what comes in
+    between travels together): every part costs Python work in two Serve hops that, on a small CPU, preempts
+    the decode threads. The first two go at once: a chat stream's first part is its opening (the role
+    frame), and the first token, the second, must not wait behind it. When the caller goes away (the
+    generator is closed or cancelled) the app sees `http.disconnect` and its task is cancelled.
     """
     messages: asyncio.Queue[Message | None] = asyncio.Queue()
     disconnected = asyncio.Event()
@@ -121,10 +125,10 @@ async def _parts(messages: asyncio.Queue[Message | None], spacing: Callable[[], 
     loop = asyncio.get_running_loop()
     status: int | None = None
     headers: RawHeaders | None = None
-    started, last = False, 0.0
+    sent, last = 0, 0.0
     while True:
         batch = [await messages.get()]
-        wait = last + spacing() - loop.time() if started and batch[0] is not None else 0.0
+        wait = last + spacing() - loop.time() if sent >= UNHELD_PARTS and batch[0] is not None else 0.0
         if wait > 0:
             await asyncio.sleep(wait)
         while not messages.empty():
@@ -144,8 +148,8 @@ async def _parts(messages: asyncio.Queue[Message | None], spacing: Callable[[], 
             more = False
         if not body and more:  # the status waits for the first body bytes
             continue
-        yield RelayedPart(b"".join(body), more, *((status, headers) if not started else (None, None)))
-        started, last = True, loop.time()
+        yield RelayedPart(b"".join(body), more, *((status, headers) if not sent else (None, None)))
+        sent, last = sent + 1, loop.time()
         if not more:
             return
 
