@@ -240,6 +240,8 @@ class Scheduler:
             slot.logits_row = row if last else -1  # logits only once the whole prompt is in
             slot.cache.extend(chunk)  # positions advance now; cleared by _decode if the decode fails
             del slot.pending[: len(chunk)]
+            if last and slot.drafter is not None:  # a draft model takes the prompt in its step, not the first guess's
+                slot.drafter.warm(slot.cache)
             self.counters.prompt_tokens_evaluated += len(chunk)
 
     def _decode(self, outputs: list[RequestOutput]) -> bool:

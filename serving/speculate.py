@@ -42,6 +42,9 @@ class Drafter(Protocol):
 
     def propose(self, tokens: list[int], k: int) -> list[int]: ...
 
+    def warm(self, prompt: list[int]) -> None:
+        """The slot's prompt is in: take it in now, in the prompt's step, rather than at the first guess."""
+
 
 class PromptLookup:
     """One request's n-gram index over its tokens (prompt + generated), extended as tokens arrive.
@@ -55,6 +58,9 @@ class PromptLookup:
         self._last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(settings.ngram_min,
                                                                                   settings.ngram_max + 1)}
         self._indexed = 0  # positions < this have been indexed as continuation starts
+
+    def warm(self, prompt: list[int]) -> None:
+        """Nothing to do ahead: the index grows as guesses are asked for."""
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest recent n-gram matching the end of `tokens`."""
@@ -228,6 +234,19 @@ class ModelDrafter:
         limit = min(len(cells), len(tokens) - 1)
         while keep < limit and cells[keep] == tokens[keep]:
             keep += 1
+        return self._extend(seq_id, tokens, keep)
+
+    def warm(self, seq_id: int, prompt: list[int]) -> None:
+        """Decode a new prompt onto the sequence (what it shares with the cells stays)."""
+        cells = self._cells[seq_id]
+        keep = 0
+        while keep < min(len(cells), len(prompt)) and cells[keep] == prompt[keep]:
+            keep += 1
+        self._extend(seq_id, prompt, keep)
+
+    def _extend(self, seq_id: int, tokens: list[int], keep: int) -> int:
+        """Keep the first `keep` cells, decode the rest of `tokens` in batches; the last token's row or -1."""
+        cells = self._cells[seq_id]
         self._ctx.forget(seq_id, keep)
         del cells[keep:]
         if len(tokens) >= self._ctx.n_ctx_seq:
@@ -264,3 +283,6 @@ class _SlotDraft:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         return self.drafter.propose(self.seq_id, tokens, k)
+
+    def warm(self, prompt: list[int]) -> None:
+        self.drafter.warm(self.seq_id, prompt)

@@ -226,6 +226,16 @@ def test_the_draft_model_guesses_ahead_and_keeps_its_cells_in_step_with_the_slot
     assert ctx.cells.get(0, []) == []  # the other slot's sequence is untouched
 
 
+def test_a_warmed_draft_takes_the_prompt_in_its_step_and_then_only_what_follows() -> None:
+    ctx = FakeDraft()
+    drafter = ModelDrafter(ctx, n_seqs=1, p_min=0.5).for_slot(0)
+    drafter.warm([7, 7, 7, 1])
+    assert ctx.cells[0] == [7, 7, 7, 1]
+    decodes = ctx.decodes
+    assert drafter.propose([7, 7, 7, 1, 2], 2) == [3, 4]
+    assert ctx.decodes == decodes + 2  # the next token, then the first guess: the prompt is not decoded again
+
+
 def test_an_unsure_draft_stops_guessing() -> None:
     class Unsure(FakeDraft):
         SURE = {3: 0.2}  # after 3 the draft is unsure
