@@ -86,7 +86,9 @@ OPTIMISTIC_ROW_COST = 0.1  # a row count not yet measured is priced at 1 + 0.1 p
 COST_EMA = 0.2  # weight of a new step time in its row count's moving average
 ACCEPT_DECAY = 0.8  # weight of the past in a request's acceptance counts (recent verifies count most)
 PRIOR_ACCEPTED, PRIOR_MISSES = 1.0, 1.0  # a request starts at p = 0.5
-PROBE_EVERY = 32  # steps without a draft after which a request drafts one token again, to measure
+PROBE_EVERY = 32  # steps without a draft after which a request drafts one token again, to measure ...
+PROBE_EVERY_MOST = 1024  # ... doubling after each probe that did not make guessing pay again (a probe of a
+# draft model costs it the catching up with every token since its last guess)
 
 
 class StepCosts:
@@ -138,6 +140,7 @@ class Acceptance:
     def __init__(self) -> None:
         self.accepted, self.misses = PRIOR_ACCEPTED, PRIOR_MISSES
         self.idle_steps = 0
+        self.probe_every = PROBE_EVERY
 
     @property
     def p(self) -> float:
@@ -158,17 +161,21 @@ def expected_tokens(p: float, k: int) -> float:
 def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int) -> int:
     """How many guesses (at most `most`) to verify in a step that already carries `base` rows: the count
     whose tokens per second beat the step without guesses by the most, or 0 when none does (a guess is a
-    batch row, and a step costs what StepCosts measured, the guessing included). Every PROBE_EVERY steps
-    without a draft, one guess anyway, so a request whose text turns predictable is noticed."""
+    batch row, and a step costs what StepCosts measured, the guessing included). After `probe_every` steps
+    without a draft, one guess anyway, so a request whose text turns predictable is noticed; the interval
+    doubles while probes find nothing worth it, and starts again once guessing pays."""
     best_k, best_gain = 0, 1.0
     for k in range(1, most + 1):
         gain = (base - 1 + expected_tokens(acceptance.p, k)) / base / costs.relative(base + k, base)
         if gain > best_gain:
             best_k, best_gain = k, gain
-    if best_k == 0 and most > 0:
+    if best_k > 0:
+        acceptance.probe_every = PROBE_EVERY
+    elif most > 0:
         acceptance.idle_steps += 1
-        if acceptance.idle_steps >= PROBE_EVERY:
+        if acceptance.idle_steps >= acceptance.probe_every:
             acceptance.idle_steps = 0
+            acceptance.probe_every = min(2 * acceptance.probe_every, PROBE_EVERY_MOST)
             return 1
     return best_k
 

@@ -150,8 +150,9 @@ def test_on_a_gpu_where_rows_are_nearly_free_long_drafts_pay() -> None:
 def test_a_request_that_stopped_guessing_probes_again() -> None:
     cpu = costs({1: 10.0, 2: 16.0})
     low = acceptance(1, 9)
-    lengths = [draft_length(low, cpu, 4, 1) for _ in range(PROBE_EVERY)]
-    assert lengths[:-1] == [0] * (PROBE_EVERY - 1) and lengths[-1] == 1
+    lengths = [draft_length(low, cpu, 4, 1) for _ in range(3 * PROBE_EVERY)]
+    probes = [i + 1 for i, k in enumerate(lengths) if k]
+    assert probes == [PROBE_EVERY, 3 * PROBE_EVERY] and set(lengths) == {0, 1}  # then twice as long
     low.record(1, missed=False)  # the probe held: counted, and the idle count starts again
     assert low.idle_steps == 0 and low.p > 0.1
 
