@@ -204,7 +204,7 @@ class Scheduler:
                                     all_logits=bool(slot.draft))
             slot.logits_row = last - len(slot.draft)
         generating_rows = ctx.batch_size
-        self._add_prompt_chunks()
+        self._add_prompt_chunks(warm_drafts=speculate)
         if ctx.batch_size == 0:
             return outputs, False
         if self._decode(outputs):
@@ -225,7 +225,7 @@ class Scheduler:
         k = draft_length(slot.acceptance, self._costs, max(most, 0), rows)
         return slot.drafter.propose([*slot.cache, slot.next_token], k) if k > 0 else []
 
-    def _add_prompt_chunks(self) -> None:
+    def _add_prompt_chunks(self, warm_drafts: bool) -> None:
         ctx = self._ctx
         prefilling = sorted((s for s in self.slots if s.pending and s.request is not None),
                             key=lambda s: s.request.arrival if s.request is not None else 0.0)
@@ -240,8 +240,8 @@ class Scheduler:
             slot.logits_row = row if last else -1  # logits only once the whole prompt is in
             slot.cache.extend(chunk)  # positions advance now; cleared by _decode if the decode fails
             del slot.pending[: len(chunk)]
-            if last and slot.drafter is not None:  # a draft model takes the prompt in its step, not the first guess's
-                slot.drafter.warm(slot.cache)
+            if last and warm_drafts and slot.drafter is not None:  # a draft model takes the prompt in now,
+                slot.drafter.warm(slot.cache)  # not at the first guess (none while too many slots are busy)
             self.counters.prompt_tokens_evaluated += len(chunk)
 
     def _decode(self, outputs: list[RequestOutput]) -> bool:
