@@ -220,10 +220,14 @@ class Scheduler:
         cells allow (k guesses yield up to k + 1 tokens); the drafter may offer fewer."""
         if slot.drafter is None or self._spec is None or slot.next_token is None:
             return []
-        most = min(self._spec.draft_max, room, slot.limit - slot.usage.completion_tokens - 1,
-                   self._ctx.n_ctx_seq - len(slot.cache) - 2)
-        k = draft_length(slot.acceptance, self._costs, max(most, 0), rows)
-        return slot.drafter.propose([*slot.cache, slot.next_token], k) if k > 0 else []
+        most = max(min(self._spec.draft_max, room, slot.limit - slot.usage.completion_tokens - 1,
+                       self._ctx.n_ctx_seq - len(slot.cache) - 2), 0)
+        tokens, drafter = [*slot.cache, slot.next_token], slot.drafter
+        if drafter.costly:  # decide first, then pay for exactly that many guesses
+            k = draft_length(slot.acceptance, self._costs, most, rows, probe_backoff=True)
+            return drafter.propose(tokens, k) if k > 0 else []
+        offered = drafter.propose(tokens, most) if most > 0 else []
+        return offered[:draft_length(slot.acceptance, self._costs, len(offered), rows, probe_backoff=False)]
 
     def _add_prompt_chunks(self, warm_drafts: bool) -> None:
         ctx = self._ctx

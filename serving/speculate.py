@@ -38,7 +38,12 @@ class SpecSettings:
 
 
 class Drafter(Protocol):
-    """One slot's guesser: up to k tokens expected to follow `tokens` (the slot's tokens, then its next)."""
+    """One slot's guesser: up to k tokens expected to follow `tokens` (the slot's tokens, then its next).
+    `costly`: guessing itself takes time (a draft model decodes), so how many to ask for is decided first;
+    a cheap guesser (prompt lookup) is asked for the most and its offer is then cut to what pays."""
+
+    @property
+    def costly(self) -> bool: ...
 
     def propose(self, tokens: list[int], k: int) -> list[int]: ...
 
@@ -52,6 +57,8 @@ class PromptLookup:
     `_last[n][gram]` is the position right after the latest occurrence of `gram` that ends before the
     newest token, so the current suffix never matches itself.
     """
+
+    costly = False
 
     def __init__(self, settings: SpecSettings) -> None:
         self._s = settings
@@ -158,12 +165,13 @@ def expected_tokens(p: float, k: int) -> float:
     return float(k + 1) if p >= 1.0 else (1.0 - p ** (k + 1)) / (1.0 - p)
 
 
-def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int) -> int:
+def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int, probe_backoff: bool) -> int:
     """How many guesses (at most `most`) to verify in a step that already carries `base` rows: the count
     whose tokens per second beat the step without guesses by the most, or 0 when none does (a guess is a
     batch row, and a step costs what StepCosts measured, the guessing included). After `probe_every` steps
-    without a draft, one guess anyway, so a request whose text turns predictable is noticed; the interval
-    doubles while probes find nothing worth it, and starts again once guessing pays."""
+    without a draft, one guess anyway, so a request whose text turns predictable is noticed; with
+    `probe_backoff` (a draft model, whose probe costs it the catching up) the interval doubles while probes
+    find nothing worth it, and starts again once guessing pays."""
     best_k, best_gain = 0, 1.0
     for k in range(1, most + 1):
         gain = (base - 1 + expected_tokens(acceptance.p, k)) / base / costs.relative(base + k, base)
@@ -175,7 +183,8 @@ def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int)
         acceptance.idle_steps += 1
         if acceptance.idle_steps >= acceptance.probe_every:
             acceptance.idle_steps = 0
-            acceptance.probe_every = min(2 * acceptance.probe_every, PROBE_EVERY_MOST)
+            if probe_backoff:
+                acceptance.probe_every = min(2 * acceptance.probe_every, PROBE_EVERY_MOST)
             return 1
     return best_k
 
@@ -287,6 +296,7 @@ class ModelDrafter:
 class _SlotDraft:
     drafter: ModelDrafter
     seq_id: int
+    costly: bool = True
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         return self.drafter.propose(self.seq_id, tokens, k)

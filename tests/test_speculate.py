@@ -135,24 +135,28 @@ def test_step_costs_interpolate_extrapolate_and_follow_new_measurements() -> Non
 
 def test_on_a_cpu_where_rows_cost_nearly_a_decode_each_only_near_certain_guesses_pay() -> None:
     cpu = costs({1: 10.0, 2: 16.0, 4: 25.2, 8: 45.2, 16: 83.2})  # scripts/bench_verify.py on this machine
-    assert draft_length(acceptance(36, 64), cpu, 15, 1) == 0  # the copy set's 36%: verifying is slower
-    assert draft_length(acceptance(71, 29), cpu, 15, 1) == 2  # 1.075x: a short draft, barely
-    assert draft_length(acceptance(97, 3), cpu, 15, 1) >= 7
+    assert draft_length(acceptance(36, 64), cpu, 15, 1, False) == 0  # the copy set's 36%: verifying is slower
+    assert draft_length(acceptance(71, 29), cpu, 15, 1, False) == 2  # 1.075x: a short draft, barely
+    assert draft_length(acceptance(97, 3), cpu, 15, 1, False) >= 7
 
 
 def test_on_a_gpu_where_rows_are_nearly_free_long_drafts_pay() -> None:
     gpu = costs({1: 9.6, 2: 10.8, 4: 15.5, 8: 23.7, 16: 19.9})  # the H200, 27B-class (performance.md)
-    assert draft_length(acceptance(36, 64), gpu, 15, 1) >= 1
-    assert draft_length(acceptance(90, 10), gpu, 15, 1) == 15
-    assert draft_length(acceptance(90, 10), gpu, 3, 1) == 3  # no more than offered
+    assert draft_length(acceptance(36, 64), gpu, 15, 1, False) >= 1
+    assert draft_length(acceptance(90, 10), gpu, 15, 1, False) == 15
+    assert draft_length(acceptance(90, 10), gpu, 3, 1, False) == 3  # no more than offered
 
 
 def test_a_request_that_stopped_guessing_probes_again() -> None:
     cpu = costs({1: 10.0, 2: 16.0})
     low = acceptance(1, 9)
-    lengths = [draft_length(low, cpu, 4, 1) for _ in range(3 * PROBE_EVERY)]
+    lengths = [draft_length(low, cpu, 4, 1, probe_backoff=True) for _ in range(3 * PROBE_EVERY)]
     probes = [i + 1 for i, k in enumerate(lengths) if k]
     assert probes == [PROBE_EVERY, 3 * PROBE_EVERY] and set(lengths) == {0, 1}  # then twice as long
+    steady = Acceptance()
+    steady.accepted, steady.misses = 1.0, 9.0
+    lengths = [draft_length(steady, cpu, 4, 1, probe_backoff=False) for _ in range(3 * PROBE_EVERY)]
+    assert [i + 1 for i, k in enumerate(lengths) if k] == [PROBE_EVERY, 2 * PROBE_EVERY, 3 * PROBE_EVERY]
     low.record(1, missed=False)  # the probe held: counted, and the idle count starts again
     assert low.idle_steps == 0 and low.p > 0.1
 
