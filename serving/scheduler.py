@@ -26,7 +26,7 @@ from typing import Protocol
 
 from serving.request import FinishReason, Request, SamplingParams, TokenLogprob, Usage
 from serving.speculate import (
-    Acceptance, DraftContext, Drafter, ModelDrafter, PromptLookup, SpecSettings, StepCosts, draft_length,
+    Acceptance, DraftContext, Drafter, ModelDrafter, PromptLookup, SpecSettings, StepCosts, could_pay, draft_length,
 )
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,8 @@ class Scheduler:
         start empty. Only called while no slot is busy."""
         self._ctx, self._seed, self._spec = ctx, default_seed, spec
         self.slots = [Slot(seq_id=i) for i in range(n_parallel)]
-        self._draft_model = ModelDrafter(draft, n_parallel, spec.p_min) if draft is not None and spec else None
+        self._draft_model = (ModelDrafter(draft, n_parallel, spec.p_min, self._clock) if draft is not None and spec
+                             else None)
         self._costs = StepCosts()  # what a step costs by its rows, on this machine and this context
 
     def add(self, choices: list[Request]) -> None:
@@ -195,7 +196,6 @@ class Scheduler:
         busy = sum(1 for s in self.slots if s.request is not None)
         speculate = self._spec is not None and busy <= self._spec.max_busy
         room = ctx.batch_capacity - len(generating)
-        t0 = self._clock()  # a step's cost includes its guessing (a draft model's decodes)
         for i, slot in enumerate(generating):  # rows without this slot's guesses: so far + the slots to come
             slot.draft = self._draft(slot, room, ctx.batch_size + len(generating) - i) if speculate else []
             room -= len(slot.draft)
@@ -204,7 +204,8 @@ class Scheduler:
                                     all_logits=bool(slot.draft))
             slot.logits_row = last - len(slot.draft)
         generating_rows = ctx.batch_size
-        self._add_prompt_chunks(warm_drafts=speculate)
+        t0 = self._clock()  # the step's cost, without the guessing (a draft model prices its own)
+        self._add_prompt_chunks(warm_drafts=speculate and self._drafting_may_pay())
         if ctx.batch_size == 0:
             return outputs, False
         if self._decode(outputs):
@@ -224,10 +225,18 @@ class Scheduler:
                        self._ctx.n_ctx_seq - len(slot.cache) - 2), 0)
         tokens, drafter = [*slot.cache, slot.next_token], slot.drafter
         if drafter.costly:  # decide first, then pay for exactly that many guesses
-            k = draft_length(slot.acceptance, self._costs, most, rows, probe_backoff=True)
+            k = draft_length(slot.acceptance, self._costs, most, rows, True, drafter.guess_seconds)
             return drafter.propose(tokens, k) if k > 0 else []
         offered = drafter.propose(tokens, most) if most > 0 else []
-        return offered[:draft_length(slot.acceptance, self._costs, len(offered), rows, probe_backoff=False)]
+        return offered[:draft_length(slot.acceptance, self._costs, len(offered), rows, False, drafter.guess_seconds)]
+
+    def _drafting_may_pay(self) -> bool:
+        """Whether a draft model could make a lone stream faster on this machine even if every guess held:
+        if not (its guess costs about a decode of the model), a new prompt is not taken into it."""
+        if self._draft_model is None or self._spec is None:
+            return True
+        guess = self._draft_model.guess_seconds
+        return guess is None or could_pay(self._costs, self._spec.draft_max, 1, guess)
 
     def _add_prompt_chunks(self, warm_drafts: bool) -> None:
         ctx = self._ctx

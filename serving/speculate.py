@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,10 +41,14 @@ class SpecSettings:
 class Drafter(Protocol):
     """One slot's guesser: up to k tokens expected to follow `tokens` (the slot's tokens, then its next).
     `costly`: guessing itself takes time (a draft model decodes), so how many to ask for is decided first;
-    a cheap guesser (prompt lookup) is asked for the most and its offer is then cut to what pays."""
+    a cheap guesser (prompt lookup) is asked for the most and its offer is then cut to what pays.
+    `guess_seconds`: what one guess costs its guesser (0 for prompt lookup; None until measured)."""
 
     @property
     def costly(self) -> bool: ...
+
+    @property
+    def guess_seconds(self) -> float | None: ...
 
     def propose(self, tokens: list[int], k: int) -> list[int]: ...
 
@@ -59,6 +64,7 @@ class PromptLookup:
     """
 
     costly = False
+    guess_seconds = 0.0
 
     def __init__(self, settings: SpecSettings) -> None:
         self._s = settings
@@ -117,10 +123,19 @@ class StepCosts:
         old = self._seconds.get(rows)
         self._seconds[rows] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
 
-    def relative(self, rows: int, base: int) -> float:
-        """cost(rows) / cost(base): how much longer a step of `rows` rows takes than one of `base` rows."""
+    def measured(self, rows: int) -> bool:
+        return rows in self._seconds
+
+    def seconds(self, rows: int) -> float:
+        return self._estimate(rows)
+
+    def relative(self, rows: int, base: int, extra_seconds: float = 0.0) -> float:
+        """(cost(rows) + extra) / cost(base): how much longer a step of `rows` rows (and `extra_seconds` of
+        guessing) takes than one of `base` rows."""
         base_cost = self._estimate(base)
-        return self._estimate(rows) / base_cost if base_cost > 0 else 1.0 + OPTIMISTIC_ROW_COST * (rows - base)
+        if base_cost <= 0:
+            return 1.0 + OPTIMISTIC_ROW_COST * (rows - base)
+        return (self._estimate(rows) + extra_seconds) / base_cost
 
     def _estimate(self, rows: int) -> float:
         known = self._seconds
@@ -165,28 +180,37 @@ def expected_tokens(p: float, k: int) -> float:
     return float(k + 1) if p >= 1.0 else (1.0 - p ** (k + 1)) / (1.0 - p)
 
 
-def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int, probe_backoff: bool) -> int:
+def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int, probe_backoff: bool,
+                 guess_seconds: float | None = 0.0) -> int:
     """How many guesses (at most `most`) to verify in a step that already carries `base` rows: the count
     whose tokens per second beat the step without guesses by the most, or 0 when none does (a guess is a
-    batch row, and a step costs what StepCosts measured, the guessing included). After `probe_every` steps
-    without a draft, one guess anyway, so a request whose text turns predictable is noticed; with
-    `probe_backoff` (a draft model, whose probe costs it the catching up) the interval doubles while probes
-    find nothing worth it, and starts again once guessing pays."""
+    batch row, and `guess_seconds` of its guesser's time; a step costs what StepCosts measured). After
+    `probe_every` steps without a draft, a probe anyway, so a request whose text turns predictable is
+    noticed; with `probe_backoff` (a draft model, whose probe costs it the catching up) the interval doubles
+    while probes find nothing worth it, and starts again once guessing pays. No probe where guessing could
+    not pay even if every guess held (a draft model as slow as the model). A guesser whose cost is not yet
+    measured (None) is priced as free and probed with two guesses, so that its second is timed."""
+    guess = guess_seconds or 0.0
     best_k, best_gain = 0, 1.0
     for k in range(1, most + 1):
-        gain = (base - 1 + expected_tokens(acceptance.p, k)) / base / costs.relative(base + k, base)
+        gain = (base - 1 + expected_tokens(acceptance.p, k)) / base / costs.relative(base + k, base, k * guess)
         if gain > best_gain:
             best_k, best_gain = k, gain
     if best_k > 0:
         acceptance.probe_every = PROBE_EVERY
-    elif most > 0:
+    elif most > 0 and could_pay(costs, most, base, guess):
         acceptance.idle_steps += 1
         if acceptance.idle_steps >= acceptance.probe_every:
             acceptance.idle_steps = 0
             if probe_backoff:
                 acceptance.probe_every = min(2 * acceptance.probe_every, PROBE_EVERY_MOST)
-            return 1
+            return 1 if guess_seconds is not None else min(2, most)
     return best_k
+
+
+def could_pay(costs: StepCosts, most: int, base: int, guess_seconds: float) -> bool:
+    """Whether some count of guesses up to `most` would beat a step of `base` rows if every guess held."""
+    return any((base + k) / base > costs.relative(base + k, base, k * guess_seconds) for k in range(1, most + 1))
 
 
 class DraftContext(Protocol):
@@ -217,11 +241,19 @@ class ModelDrafter:
     step with the slot's tokens (its cells trimmed to the common prefix, the missing tokens decoded), so the
     guesses the model rejected last time are dropped here too. Guessing stops at `k`, or when the draft's
     top token is less likely than `p_min` (llama-server's --draft-p-min): an unsure guess costs a verify row
-    and is likely wrong."""
+    and is likely wrong. Its decodes are timed by their rows: one guess costs a one-row decode (in step, a
+    sequence catches up by the one token the model added), what the draft length weighs against its gain."""
 
-    def __init__(self, ctx: DraftContext, n_seqs: int, p_min: float) -> None:
-        self._ctx, self._p_min = ctx, p_min
+    def __init__(self, ctx: DraftContext, n_seqs: int, p_min: float,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._ctx, self._p_min, self._clock = ctx, p_min, clock
         self._cells: list[list[int]] = [[] for _ in range(n_seqs)]  # exactly the tokens each sequence holds
+        self._decodes = StepCosts()
+
+    @property
+    def guess_seconds(self) -> float | None:
+        """What a one-row decode of the draft costs (None until one was timed: catching up takes more rows)."""
+        return self._decodes.seconds(1) if self._decodes.measured(1) else None
 
     def for_slot(self, seq_id: int) -> Drafter:
         """The drafter of one slot (a fresh request on it: its sequence is trimmed as the first guess needs)."""
@@ -282,12 +314,14 @@ class ModelDrafter:
         cells = self._cells[seq_id]
         self._ctx.clear_batch()
         row = self._ctx.add_to_batch(tokens, len(cells), seq_id, True)
+        t0 = self._clock()
         rc = self._ctx.decode()
         if rc != 0:
             log.warning("the draft model's decode returned %d; its sequence %d starts over", rc, seq_id)
             self._ctx.forget(seq_id)
             cells.clear()
             return -1
+        self._decodes.observe(len(tokens), self._clock() - t0)
         cells.extend(tokens)
         return row
 
@@ -297,6 +331,10 @@ class _SlotDraft:
     drafter: ModelDrafter
     seq_id: int
     costly: bool = True
+
+    @property
+    def guess_seconds(self) -> float | None:
+        return self.drafter.guess_seconds
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         return self.drafter.propose(self.seq_id, tokens, k)

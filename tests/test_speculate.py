@@ -101,7 +101,7 @@ def test_sampled_requests_stay_seeded_with_speculation(pair: tuple[Engine, Engin
 
 # -- how many guesses pay: the draft length policy -----------------------------------------------------------
 from serving.speculate import (  # noqa: E402
-    PROBE_EVERY, Acceptance, StepCosts, draft_length, expected_tokens,
+    PROBE_EVERY, Acceptance, StepCosts, could_pay, draft_length, expected_tokens,
 )
 
 
@@ -159,6 +159,26 @@ def test_a_request_that_stopped_guessing_probes_again() -> None:
     assert [i + 1 for i, k in enumerate(lengths) if k] == [PROBE_EVERY, 2 * PROBE_EVERY, 3 * PROBE_EVERY]
     low.record(1, missed=False)  # the probe held: counted, and the idle count starts again
     assert low.idle_steps == 0 and low.p > 0.1
+
+
+def test_a_guesser_as_slow_as_the_model_is_never_probed() -> None:
+    """A draft model whose guess costs what a decode of the model does cannot pay even if every guess held:
+    no probe (each would cost it the catching up); one at a third of the cost is still probed."""
+    cpu = costs({1: 10.0, 2: 16.0, 4: 25.2})
+    assert not could_pay(cpu, 8, 1, guess_seconds=10.0) and could_pay(cpu, 8, 1, guess_seconds=3.0)
+    certain = acceptance(1, 9)
+    assert set(draft_length(certain, cpu, 8, 1, True, guess_seconds=10.0) for _ in range(3 * PROBE_EVERY)) == {0}
+    assert draft_length(acceptance(99, 1), cpu, 8, 1, True, guess_seconds=10.0) == 0
+    slow = acceptance(1, 9)
+    assert [draft_length(slow, cpu, 8, 1, True, guess_seconds=3.0) for _ in range(PROBE_EVERY)][-1] == 1
+
+
+def test_a_guesser_not_yet_timed_is_probed_with_two_guesses() -> None:
+    """Its first guess comes with the catching up; the second is a one-row decode, what a guess costs."""
+    low = acceptance(1, 9)
+    lengths = [draft_length(low, costs({1: 10.0, 2: 16.0}), 8, 1, True, guess_seconds=None)
+               for _ in range(PROBE_EVERY)]
+    assert lengths[-1] == 2 and set(lengths[:-1]) == {0}
 
 
 def test_recent_verifies_weigh_most() -> None:
@@ -239,6 +259,17 @@ def test_a_warmed_draft_takes_the_prompt_in_its_step_and_then_only_what_follows(
     decodes = ctx.decodes
     assert drafter.propose([7, 7, 7, 1, 2], 2) == [3, 4]
     assert ctx.decodes == decodes + 2  # the next token, then the first guess: the prompt is not decoded again
+
+
+def test_the_draft_model_times_its_one_row_decodes_as_the_cost_of_a_guess() -> None:
+    ticks = iter(range(1000))
+    drafter = ModelDrafter(FakeDraft(), n_seqs=1, p_min=0.5, clock=lambda: float(next(ticks)))
+    slot = drafter.for_slot(0)
+    assert slot.guess_seconds is None
+    slot.propose([7, 7, 7, 1], 1)  # the catching up only: four rows
+    assert slot.guess_seconds is None
+    slot.propose([7, 7, 7, 1, 2, 3], 2)  # two rows to catch up, then the first guess decoded alone
+    assert slot.guess_seconds == 1.0
 
 
 def test_an_unsure_draft_stops_guessing() -> None:
