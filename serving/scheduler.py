@@ -205,7 +205,7 @@ class Scheduler:
             slot.logits_row = last - len(slot.draft)
         generating_rows = ctx.batch_size
         t0 = self._clock()  # the step's cost, without the guessing (a draft model prices its own)
-        self._add_prompt_chunks(warm_drafts=speculate and self._drafting_may_pay())
+        self._add_prompt_chunks(warm_drafts=speculate)
         if ctx.batch_size == 0:
             return outputs, False
         if self._decode(outputs):
@@ -230,13 +230,11 @@ class Scheduler:
         offered = drafter.propose(tokens, most) if most > 0 else []
         return offered[:draft_length(slot.acceptance, self._costs, len(offered), rows, False, drafter.guess_seconds)]
 
-    def _drafting_may_pay(self) -> bool:
-        """Whether a draft model could make a lone stream faster on this machine even if every guess held:
-        if not (its guess costs about a decode of the model), a new prompt is not taken into it."""
-        if self._draft_model is None or self._spec is None:
-            return True
-        guess = self._draft_model.guess_seconds
-        return guess is None or could_pay(self._costs, self._spec.draft_max, 1, guess)
+    def _drafting_may_pay(self, drafter: Drafter) -> bool:
+        """Whether the guesser could make a lone stream faster on this machine even if every guess held (not
+        where a guess costs about a decode of the model: a draft model nearly as large, or a slow CPU)."""
+        guess = drafter.guess_seconds
+        return self._spec is None or guess is None or could_pay(self._costs, self._spec.draft_max, 1, guess)
 
     def _add_prompt_chunks(self, warm_drafts: bool) -> None:
         ctx = self._ctx
@@ -253,8 +251,11 @@ class Scheduler:
             slot.logits_row = row if last else -1  # logits only once the whole prompt is in
             slot.cache.extend(chunk)  # positions advance now; cleared by _decode if the decode fails
             del slot.pending[: len(chunk)]
-            if last and warm_drafts and slot.drafter is not None:  # a draft model takes the prompt in now,
-                slot.drafter.warm(slot.cache)  # not at the first guess (none while too many slots are busy)
+            if last and slot.drafter is not None:
+                if slot.drafter.costly and not self._drafting_may_pay(slot.drafter):
+                    slot.drafter = None  # a probe would cost it the whole prompt: this request goes without
+                elif warm_drafts:  # a draft model takes the prompt in now, not at the first guess (none while
+                    slot.drafter.warm(slot.cache)  # too many slots are busy)
             self.counters.prompt_tokens_evaluated += len(chunk)
 
     def _decode(self, outputs: list[RequestOutput]) -> bool:

@@ -291,6 +291,27 @@ def test_a_draft_model_that_fails_to_decode_offers_nothing_and_starts_over() -> 
     assert ctx.cells.get(0, []) == []
 
 
+def test_a_draft_model_as_slow_as_the_model_stops_costing_after_its_first_timed_guess() -> None:
+    """By a clock where a draft decode takes as long as a step of the model, guessing cannot pay even if
+    every guess held: once a guess is timed, no more guesses, and the next request's prompt is not taken into
+    the draft (a probe would then cost it the whole prompt); the tokens are the model's all along."""
+    from serving.scheduler import Scheduler
+    from tests.test_scheduler import Repeating, flat_clock, req, run, tokens_of
+
+    ctx, draft = Repeating(), FakeDraft()
+    s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4), clock=flat_clock(), draft=draft)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1]
+    first = req(prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    s.add([first])
+    assert tokens_of(run(s, ctx), first) == [2, 3, 4, 1] * 3
+    assert s.counters.spec_drafted > 0 and draft.cells[0][:len(prompt)] == prompt  # warmed, then timed
+    drafted, decodes = s.counters.spec_drafted, draft.decodes
+    second = req([4, 1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=12, temperature=0.0))
+    s.add([second])
+    assert tokens_of(run(s, ctx), second) == [3, 4, 1, 2] * 3
+    assert s.counters.spec_drafted == drafted and draft.decodes == decodes
+
+
 def test_draft_mode_needs_a_draft_model() -> None:
     with pytest.raises(ValueError, match="draft_model"):
         EngineConfig(spec_mode="draft")
