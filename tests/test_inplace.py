@@ -122,6 +122,10 @@ def test_the_confirmation_round_measures_on_the_replica(serve_url: str, restored
     assert client.failures == [] and _slots(serve_url)["weight_loads"] == loads
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.timeout(600)
 def test_ctrl_c_mid_study_restores_the_config_the_replica_served(serve_url: str, restored: EngineConfig,
                                                                  tmp_path: Path) -> None:
@@ -130,7 +134,8 @@ def test_ctrl_c_mid_study_restores_the_config_the_replica_served(serve_url: str,
     address = ray.get_runtime_context().gcs_address
     tuner = subprocess.Popen([sys.executable, "-m", "tuning.search", *_args(tmp_path, "interrupted", 20),
                               "--ray-address", address], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                             preexec_fn=_default_sigint)  # a shell's background job would pass SIGINT ignored
     try:
         deadline = time.monotonic() + 240
         while not (_slots(serve_url)["tuning"] or {}).get("in_trial"):
