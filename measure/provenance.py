@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -46,3 +47,9 @@ def _bindings_version() -> str:
     except importlib.metadata.PackageNotFoundError:
         module = sys.modules.get("llama_cpp")
         return str(getattr(module, "__version__", "unknown"))
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """A benchmark's results (with their provenance) as JSON at `path`, its folder made if need be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")

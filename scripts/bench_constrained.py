@@ -13,7 +13,6 @@ own choice rejected: then a full-vocabulary grammar pass runs). Greedy; each rou
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
-from measure.provenance import provenance  # noqa: E402
+from measure.provenance import provenance, write_report  # noqa: E402
 from measure.workload import read  # noqa: E402
 from serving.config import EngineConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
@@ -105,8 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[name] = {"decode_tok_s": tok_s, "ms_per_token": 1e3 / tok_s, "vs_unconstrained": tok_s / base,
                          "tokens": tokens, "resample_rate": sum(s["resamples"] for s in runs) / max(tokens, 1)}
     report = {"provenance": provenance(), "config": config.to_yaml_dict(), "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
     print("| mode | decode tok/s | ms/token | x unconstrained | resampled tokens |")
     print("| --- | --- | --- | --- | --- |")
     for name, res in results.items():

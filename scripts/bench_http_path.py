@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ if str(REPO_ROOT) not in sys.path:
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
 from measure import serve_app  # noqa: E402
 from measure.metrics import ratios  # noqa: E402
-from measure.provenance import provenance  # noqa: E402
+from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import loaded_engine  # noqa: E402
 from measure.workload import Runner, Target, Workload  # noqa: E402
 from serving.config import load_engine_config  # noqa: E402
@@ -117,8 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = asyncio.run(run(args))
     print(table(report))
     if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.json_out, report)
     return 0
 
 

@@ -34,7 +34,7 @@ from serving.config import CpuRepack, EngineConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.repack import weight_buffers  # noqa: E402
 from serving.request import SamplingParams  # noqa: E402
-from measure.provenance import provenance  # noqa: E402
+from measure.provenance import provenance, write_report  # noqa: E402
 
 MODES = (CpuRepack.on, CpuRepack.off)
 EXTRA_BUFFERS = ("CPU_REPACK", "AMX", "KLEIDIAI")
@@ -127,8 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(report["provenance"]))
     print(table(report["results"]))
     if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.json_out, report)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import shlex
 import sys
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
 from measure.metrics import RoundFigures, ratios  # noqa: E402
-from measure.provenance import provenance  # noqa: E402
+from measure.provenance import provenance, write_report  # noqa: E402
 from measure.sse import StreamError  # noqa: E402
 from measure.targets import HttpTarget, llama_server, loaded_engine, repack_server_args  # noqa: E402
 from measure.workload import Level, PromptSet, Runner, Target, Workload  # noqa: E402
@@ -170,8 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report["ratios"]:
         print(format_ratios(report["ratios"]))
     if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+        write_report(args.json_out, report)
         print(f"wrote {args.json_out}", file=sys.stderr)
     return 0
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
-from measure.provenance import provenance  # noqa: E402
+from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import EngineTarget  # noqa: E402
 from measure.workload import PromptSet, Runner, Workload  # noqa: E402
 from serving.config import EngineConfig, SpecMode  # noqa: E402
@@ -148,8 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[prompt_set.value] = summarise(rounds)
     report = {"provenance": provenance(), "configs": {n: c.to_yaml_dict() for n, c in configs.items()},
               "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
     print(table(results, args.concurrency))
     print(f"wrote {args.out}")
     return 0 if all(all(r["greedy_identical"].values()) for per in results.values() for r in per.values()) else 1

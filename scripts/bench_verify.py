@@ -14,7 +14,6 @@ E = (1 - a^(k+1)) / (1 - a) for per-token acceptance a. A projection, not a meas
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from serving.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
-from measure.provenance import provenance  # noqa: E402
+from measure.provenance import provenance, write_report  # noqa: E402
 from serving.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
 from serving.engine import default_threads  # noqa: E402
 from serving.repack import use_extra_bufts  # noqa: E402
@@ -95,8 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "note": "projection from measured verify cost and an acceptance measured elsewhere"}
         print(f"projected single-stream speed-up at acceptance {a:.0%} (a projection): "
               + ", ".join(f"draft {k}: {x:.2f}x" for k, x in projection.items()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
     ctx.free()
     model.free()
     return 0
