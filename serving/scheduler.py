@@ -223,11 +223,11 @@ class Scheduler:
             return []
         most = max(min(self._spec.draft_max, room, slot.limit - slot.usage.completion_tokens - 1,
                        self._ctx.n_ctx_seq - len(slot.cache) - 2), 0)
-        tokens, drafter = [*slot.cache, slot.next_token], slot.drafter
+        drafter = slot.drafter
         if drafter.costly:  # decide first, then pay for exactly that many guesses
             k = draft_length(slot.acceptance, self._costs, most, rows, True, drafter.guess_seconds)
-            return drafter.propose(tokens, k) if k > 0 else []
-        offered = drafter.propose(tokens, most) if most > 0 else []
+            return drafter.propose([*slot.cache, slot.next_token], k) if k > 0 else []
+        offered = drafter.propose([*slot.cache, slot.next_token], most) if most > 0 else []
         return offered[:draft_length(slot.acceptance, self._costs, len(offered), rows, False, drafter.guess_seconds)]
 
     def _drafting_may_pay(self, drafter: Drafter) -> bool:
