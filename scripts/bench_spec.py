@@ -8,13 +8,16 @@ the same requests on each, in an order rotated every round, for both prompt sets
 text, `plain`: free writing), single stream and `--concurrency` streams. Reported per set: median decode
 tok/s of a single stream, median aggregate tok/s, the on/off ratios, the acceptance rate (accepted / drafted
 guesses), and whether the greedy texts were identical, single stream and concurrent (speculation is lossless;
-llama.cpp's CPU logits still depend on the batch a row is decoded in, see performance.md).
+with an f16 cache past 512 cells llama.cpp's CPU logits still depend on the batch a row is decoded in:
+scripts/batch_numerics.py).
 
 Random-weight models cannot measure acceptance (their greedy loops flatter lookup), hence the real model.
 
     python scripts/bench_spec.py --rounds 5 --out docs/results/bench_spec_cpu.json
     python scripts/make_draft_gguf.py --layers 12 --out results/draft-12.gguf    # a draft sharing the vocabulary
     python scripts/bench_spec.py --no-ngram --draft-model results/draft-12.gguf --draft-model <the model itself>
+    python scripts/bench_spec.py --engine type_k=q8_0 --engine type_v=q8_0 --engine flash_attn=on   # the
+        article's cache: llama.cpp's CPU attention is then batch-invariant (scripts/batch_numerics.py)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
+from _loopback_app import parse_overrides  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import EngineTarget  # noqa: E402
 from measure.workload import PromptSet, Runner, Workload  # noqa: E402
@@ -107,7 +111,8 @@ def table(results: dict[str, dict[str, Any]], concurrency: int) -> str:
 
 
 def configs_of(args: argparse.Namespace) -> dict[str, EngineConfig]:
-    base = EngineConfig(n_parallel=args.concurrency, n_ctx=args.concurrency * 2048, seed=1, n_threads=args.threads)
+    base = EngineConfig(**{"n_parallel": args.concurrency, "n_ctx": args.concurrency * 2048, "seed": 1,
+                           "n_threads": args.threads, **parse_overrides(args.engine)})
     spec = {"spec_draft_max": args.draft_max, "spec_max_busy": args.max_busy}
     configs = {OFF: base}
     if not args.no_ngram:
@@ -130,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--draft-model", type=Path, action="append", default=[],
                         help="also measure spec_mode draft with this draft model (repeat for more)")
     parser.add_argument("--draft-p-min", type=float, default=0.75, help="spec_draft_p_min of the draft engines")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                        help="engine setting of every config (e.g. type_k=q8_0: batch-invariant CPU attention)")
     parser.add_argument("--no-ngram", action="store_true", help="leave prompt lookup out")
     parser.add_argument("--prompt-set", choices=[s.value for s in PromptSet], action="append",
                         help="the sets to run (default: copy, then plain)")

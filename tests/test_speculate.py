@@ -31,6 +31,7 @@ import pytest  # noqa: E402
 from serving.config import EngineConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.request import SamplingParams  # noqa: E402
+from measure.workload import COPY_TASKS, source_text  # noqa: E402
 from tests.helpers import collect  # noqa: E402
 
 CODE = '''def add(a, b):
@@ -90,6 +91,35 @@ def test_rollback_leaves_the_cache_exactly_the_tokens_it_holds(pair: tuple[Engin
         assert collect(fresh.submit(follow, SamplingParams(max_tokens=24, temperature=0.0))).text == reused.text
     finally:
         fresh.close()
+
+
+@pytest.fixture(scope="module")
+def batch_invariant_pair() -> tuple[Engine, Engine]:
+    """Engines whose logits on CPU do not depend on what else is in the batch: a q8_0 K cache with flash
+    attention (scripts/batch_numerics.py; an f16 cache takes another kernel for a lone row past 512 cells)."""
+    base = {"n_parallel": 3, "n_ctx": 3 * 2048, "seed": 3, "type_k": "q8_0", "type_v": "q8_0", "flash_attn": "on"}
+    plain = Engine(EngineConfig(**base))
+    spec = Engine(EngineConfig(**base, spec_mode="ngram", spec_draft_max=8, spec_max_busy=3))
+    yield plain, spec
+    plain.close()
+    spec.close()
+
+
+def test_past_512_cells_greedy_text_is_identical_alone_and_among_concurrent_streams(batch_invariant_pair) -> None:  # noqa: ANN001,E501
+    """The copy set's long prompts, one stream and then three at once (guesses verified in batches shared with
+    the other streams): speculation changes no token."""
+    plain, spec = batch_invariant_pair
+    prompts = [_chat(plain, f"Request {i}. " + COPY_TASKS[i % len(COPY_TASKS)].format(text=source_text()))
+               for i in range(3)]
+    assert min(len(p) for p in prompts) > 600
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    before = spec.stats()["counters"]
+    for engine_prompts in ([prompts[0]], prompts):
+        texts = [[collect(h).text for h in [engine.submit(p, params) for p in engine_prompts]]
+                 for engine in (plain, spec)]
+        assert texts[0] == texts[1]
+    after = spec.stats()["counters"]
+    assert after["spec_accepted"] > before["spec_accepted"]  # guesses were verified, and some held
 
 
 def test_sampled_requests_stay_seeded_with_speculation(pair: tuple[Engine, Engine]) -> None:
