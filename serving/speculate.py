@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -96,32 +98,43 @@ class PromptLookup:
 
 
 OPTIMISTIC_ROW_COST = 0.1  # a row count not yet measured is priced at 1 + 0.1 per extra row, so it gets tried
-COST_EMA = 0.2  # weight of a new step time in its row count's moving average
+COST_WINDOW = 8  # recent step times kept per row count; the price is their median
 ACCEPT_DECAY = 0.8  # weight of the past in a request's acceptance counts (recent verifies count most)
 PRIOR_ACCEPTED, PRIOR_MISSES = 1.0, 1.0  # a request starts at p = 0.5
 PROBE_EVERY = 32  # steps without a draft after which a request drafts one token again, to measure ...
 PROBE_EVERY_MOST = 1024  # ... doubling after each probe that did not make guessing pay again (a probe of a
 # draft model costs it the catching up with every token since its last guess)
+UNTIMED_PROBE = 3  # guesses of a probe whose guesser was never timed: two one-row decodes, the second priced
 
 
 class StepCosts:
-    """What a decode step costs by the rows it carries, learned as the engine runs: a moving average of the
-    step's seconds (the decode and the sampling of its rows) per row count. Where a row count was never
+    """What a decode step costs by the rows it carries, learned as the engine runs: per row count, the median
+    of its last COST_WINDOW step times (the decode and the sampling of its rows). Where a row count was never
     measured, its cost is interpolated between measured ones (or extrapolated from the largest), optimistic
-    where there is nothing to go by, so a guess gets tried once and then priced as it measured.
+    where there is nothing to go by, so a guess gets tried and then priced as it measured.
+
+    The first step of each row count is not a price: a batch shape's first decode pays one-time work (on a
+    GPU, a new graph and its buffers), and a price that high would never be measured again, since nothing
+    guesses at it. The median, not a moving average, so one step slowed by a neighbour on a shared machine does
+    not price a row count out for long.
 
     Why measure rather than assume: on the lent H200, 16 rows of one sequence cost ~2.1x one row (a verify
     is nearly free); on a 2-core CPU, ~8.3x (scripts/bench_verify.py). A draft length that pays on one
     machine loses on the other."""
 
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
+        self._recent: dict[int, deque[float]] = {}
+        self._seconds: dict[int, float] = {}  # the price of each measured row count
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows < 1 or seconds < 0:
             return
-        old = self._seconds.get(rows)
-        self._seconds[rows] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        recent = self._recent.get(rows)
+        if recent is None:  # the shape's first step: one-time work, not its price
+            self._recent[rows] = deque(maxlen=COST_WINDOW)
+            return
+        recent.append(seconds)
+        self._seconds[rows] = statistics.median(recent)
 
     def measured(self, rows: int) -> bool:
         return rows in self._seconds
@@ -189,7 +202,8 @@ def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int,
     noticed; with `probe_backoff` (a draft model, whose probe costs it the catching up) the interval doubles
     while probes find nothing worth it, and starts again once guessing pays. No probe where guessing could
     not pay even if every guess held (a draft model as slow as the model). A guesser whose cost is not yet
-    measured (None) is priced as free and probed with two guesses, so that its second is timed."""
+    measured (None) is priced as free and probed with UNTIMED_PROBE guesses, so that a one-row decode of it is
+    timed after the first (a warm-up, see StepCosts)."""
     guess = guess_seconds or 0.0
     best_k, best_gain = 0, 1.0
     for k in range(1, most + 1):
@@ -204,7 +218,7 @@ def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int,
             acceptance.idle_steps = 0
             if probe_backoff:
                 acceptance.probe_every = min(2 * acceptance.probe_every, PROBE_EVERY_MOST)
-            return 1 if guess_seconds is not None else min(2, most)
+            return 1 if guess_seconds is not None else min(UNTIMED_PROBE, most)
     return best_k
 
 
