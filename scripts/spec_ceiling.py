@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """How fast could speculation make one stream on this machine, at best? The ceiling scripts/bench_spec.py's
-measured speed-up sits under, from two things measured here: what a decode of k rows of one sequence costs
-against one row (t(k), through the engine's own context), and the greedy text the model writes for each prompt
-of a set (speculation off, EOS honoured, prompts of measure/workload.py).
+measured speed-up sits under, from two things measured here: what a step of k rows of one sequence costs
+against one row as speculation meets it, amid one-row steps (t(k), through the engine's own context), and
+the greedy text the model writes for each prompt of a set (speculation off, EOS honoured, prompts of
+measure/workload.py).
 
 Three ceilings, each as decode time without speculation over decode time with it (the scheduler's own
 per-step work, the same either way, left out):
@@ -45,28 +46,43 @@ REPEATS = 7  # timed decodes per row count (median kept), after one untimed
 
 
 def row_costs(config: EngineConfig, depth: int, most: int) -> dict[int, float]:
-    """Median seconds of one decode of k rows of one sequence with `depth` cells cached, k = 1..most."""
+    """Seconds a step of k rows of one sequence costs amid one-row steps, as speculation runs, with `depth`
+    cells cached, k = 1..most: for k = 1 a one-row decode after another (on a GPU one row replays a captured
+    graph), for k > 1 the k-row decode plus what it adds to the one-row decode after it (which may have to
+    rebuild its graph). Medians of REPEATS, the order of k alternated (drift hits every k alike)."""
     model = LlamaModel(config.model_path, config.n_gpu_layers, use_extra_bufts(config))
     ctx = LlamaContext(model, config.model_copy(update={"n_parallel": 1}), default_threads())
     vocab = model.n_vocab
+    token = [(3 + 7 * j) % (vocab - 10) + 5 for j in range(most + 3)]
     try:
-        ctx.clear_batch()
-        ctx.add_to_batch([(17 + 31 * i) % (vocab - 10) + 5 for i in range(depth)], 0, 0, True)
-        _decode(ctx)
-        times: dict[int, list[float]] = {k: [] for k in range(1, most + 1)}
+        _timed(ctx, [(17 + 31 * i) % (vocab - 10) + 5 for i in range(depth)], 0)
+        one, verify, after = [], {k: [] for k in range(2, most + 1)}, {k: [] for k in range(2, most + 1)}
         for r in range(REPEATS + 1):
-            for k in times if r % 2 else reversed(times):  # alternate the order: drift hits every k alike
-                ctx.clear_batch()
-                ctx.add_to_batch([(3 + 7 * j) % (vocab - 10) + 5 for j in range(k)], depth, 0, True, True)
-                t0 = time.perf_counter()
-                _decode(ctx)
-                if r:
-                    times[k].append(time.perf_counter() - t0)
+            for k in verify if r % 2 else reversed(verify):
+                _timed(ctx, token[:1], depth)
+                lone = _timed(ctx, token[1:2], depth + 1)
+                rows = _timed(ctx, token[2:2 + k], depth + 2)
+                next_one = _timed(ctx, token[2 + k:3 + k], depth + 2 + k)
                 ctx.forget(0, depth)
-        return {k: statistics.median(v) for k, v in times.items()}
+                if r:  # the first round is a warm-up
+                    one.append(lone)
+                    verify[k].append(rows)
+                    after[k].append(next_one)
+        t1 = statistics.median(one)
+        return {1: t1, **{k: statistics.median(verify[k]) + statistics.median(after[k]) - t1 for k in verify}}
     finally:
         ctx.free()
         model.free()
+
+
+def _timed(ctx: LlamaContext, tokens: list[int], pos: int) -> float:
+    """Seconds of one decode of `tokens` at `pos`, every row's logits read back (as a verify does)."""
+    ctx.clear_batch()
+    ctx.add_to_batch(tokens, pos, 0, True, len(tokens) > 1)
+    t0 = time.perf_counter()
+    _decode(ctx)
+    _ = ctx.logits(len(tokens) - 1)[0]
+    return time.perf_counter() - t0
 
 
 def _decode(ctx: LlamaContext) -> None:

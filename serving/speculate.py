@@ -101,9 +101,11 @@ OPTIMISTIC_ROW_COST = 0.1  # a row count not yet measured is priced at 1 + 0.1 p
 COST_WINDOW = 8  # recent step times kept per row count; the price is their median
 ACCEPT_DECAY = 0.8  # weight of the past in a request's acceptance counts (recent verifies count most)
 PRIOR_ACCEPTED, PRIOR_MISSES = 1.0, 1.0  # a request starts at p = 0.5
-PROBE_EVERY = 32  # steps without a draft after which a request drafts one token again, to measure ...
-PROBE_EVERY_MOST = 1024  # ... doubling after each probe that did not make guessing pay again (a probe of a
-# draft model costs it the catching up with every token since its last guess)
+PROBE_EVERY = 32  # steps without a draft after which a request probes (guesses) again, at the least ...
+PROBE_EVERY_MOST = 1024  # ... and for a draft model doubling after each probe that did not make guessing pay
+# again (its probe costs it the catching up with every token since its last guess)
+PROBE_P = 0.9  # a probe bets the text turned predictable: as many guesses as would pay best at this acceptance
+PROBE_BUDGET = 0.03  # failed probes cost a stream at most about this share of its steps
 UNTIMED_PROBE = 3  # guesses of a probe whose guesser was never timed: two one-row decodes, the second priced
 
 
@@ -197,28 +199,43 @@ def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int,
                  guess_seconds: float | None = 0.0) -> int:
     """How many guesses (at most `most`) to verify in a step that already carries `base` rows: the count
     whose tokens per second beat the step without guesses by the most, or 0 when none does (a guess is a
-    batch row, and `guess_seconds` of its guesser's time; a step costs what StepCosts measured). After
-    `probe_every` steps without a draft, a probe anyway, so a request whose text turns predictable is
-    noticed; with `probe_backoff` (a draft model, whose probe costs it the catching up) the interval doubles
-    while probes find nothing worth it, and starts again once guessing pays. No probe where guessing could
-    not pay even if every guess held (a draft model as slow as the model). A guesser whose cost is not yet
-    measured (None) is priced as free and probed with UNTIMED_PROBE guesses, so that a one-row decode of it is
-    timed after the first (a warm-up, see StepCosts)."""
+    batch row, and `guess_seconds` of its guesser's time; a step costs what StepCosts measured).
+
+    A request that stopped guessing probes now and then, so that text turning predictable is noticed: a
+    probe bets that it did (acceptance PROBE_P) and verifies the count that would then pay best (on a GPU,
+    where rows are nearly free, many guesses: one guess would take long to show a long run; on a CPU, one or
+    two), no more often than keeps failed probes within PROBE_BUDGET of the stream's steps. With
+    `probe_backoff` (a draft model, whose probe costs it the catching up) the interval also doubles while
+    probes find nothing worth it, and starts again once guessing pays. No probe where guessing could not pay
+    even if every guess held (a draft model as slow as the model). A guesser whose cost is not yet measured
+    (None) is priced as free and probed with UNTIMED_PROBE guesses, so that a one-row decode of it is timed
+    after the first (a warm-up, see StepCosts)."""
     guess = guess_seconds or 0.0
-    best_k, best_gain = 0, 1.0
-    for k in range(1, most + 1):
-        gain = (base - 1 + expected_tokens(acceptance.p, k)) / base / costs.relative(base + k, base, k * guess)
-        if gain > best_gain:
-            best_k, best_gain = k, gain
+    best_k = _best_count(acceptance.p, costs, most, base, guess)
     if best_k > 0:
         acceptance.probe_every = PROBE_EVERY
-    elif most > 0 and could_pay(costs, most, base, guess):
-        acceptance.idle_steps += 1
-        if acceptance.idle_steps >= acceptance.probe_every:
-            acceptance.idle_steps = 0
-            if probe_backoff:
-                acceptance.probe_every = min(2 * acceptance.probe_every, PROBE_EVERY_MOST)
-            return 1 if guess_seconds is not None else min(UNTIMED_PROBE, most)
+        return best_k
+    if most <= 0 or not could_pay(costs, most, base, guess):
+        return 0
+    probe = (max(_best_count(PROBE_P, costs, most, base, guess), 1) if guess_seconds is not None
+             else min(UNTIMED_PROBE, most))
+    failed = costs.relative(base + probe, base, probe * guess) - 1.0  # steps a probe costs when nothing holds
+    acceptance.idle_steps += 1
+    if acceptance.idle_steps < max(acceptance.probe_every, math.ceil(failed / PROBE_BUDGET)):
+        return 0
+    acceptance.idle_steps = 0
+    if probe_backoff:
+        acceptance.probe_every = min(2 * acceptance.probe_every, PROBE_EVERY_MOST)
+    return probe
+
+
+def _best_count(p: float, costs: StepCosts, most: int, base: int, guess: float) -> int:
+    """The count of guesses (0..most) with the most tokens per second at acceptance p; 0 if none beats none."""
+    best_k, best_gain = 0, 1.0
+    for k in range(1, most + 1):
+        gain = (base - 1 + expected_tokens(p, k)) / base / costs.relative(base + k, base, k * guess)
+        if gain > best_gain:
+            best_k, best_gain = k, gain
     return best_k
 
 
