@@ -105,7 +105,6 @@ PROBE_EVERY = 32  # steps without a draft after which a request probes (guesses)
 PROBE_EVERY_MOST = 1024  # ... and for a draft model doubling after each probe that did not make guessing pay
 # again (its probe costs it the catching up with every token since its last guess)
 PROBE_P = 0.9  # a probe bets the text turned predictable: as many guesses as would pay best at this acceptance
-PROBE_BUDGET = 0.03  # failed probes cost a stream at most about this share of its steps
 UNTIMED_PROBE = 3  # guesses of a probe whose guesser was never timed: two one-row decodes, the second priced
 
 
@@ -201,12 +200,12 @@ def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int,
     whose tokens per second beat the step without guesses by the most, or 0 when none does (a guess is a
     batch row, and `guess_seconds` of its guesser's time; a step costs what StepCosts measured).
 
-    A request that stopped guessing probes now and then, so that text turning predictable is noticed: a
-    probe bets that it did (acceptance PROBE_P) and verifies the count that would then pay best (on a GPU,
-    where rows are nearly free, many guesses: one guess would take long to show a long run; on a CPU, one or
-    two), no more often than keeps failed probes within PROBE_BUDGET of the stream's steps. With
-    `probe_backoff` (a draft model, whose probe costs it the catching up) the interval also doubles while
-    probes find nothing worth it, and starts again once guessing pays. No probe where guessing could not pay
+    A request that stopped guessing probes every PROBE_EVERY steps with guesses on offer, so that text
+    turning predictable is noticed: a probe bets that it did (acceptance PROBE_P) and verifies the count that
+    would then pay best (where a verify costs about the same for one guess as for many, many: a one-guess
+    probe could not show a run worth that price; on a 2-core CPU, one or two). With `probe_backoff` (a draft
+    model, whose probe costs it the catching up) the interval doubles while probes find nothing worth it, and
+    starts again once guessing pays. No probe where guessing could not pay
     even if every guess held (a draft model as slow as the model). A guesser whose cost is not yet measured
     (None) is priced as free and probed with UNTIMED_PROBE guesses, so that a one-row decode of it is timed
     after the first (a warm-up, see StepCosts)."""
@@ -219,9 +218,8 @@ def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int,
         return 0
     probe = (max(_best_count(PROBE_P, costs, most, base, guess), 1) if guess_seconds is not None
              else min(UNTIMED_PROBE, most))
-    failed = costs.relative(base + probe, base, probe * guess) - 1.0  # steps a probe costs when nothing holds
     acceptance.idle_steps += 1
-    if acceptance.idle_steps < max(acceptance.probe_every, math.ceil(failed / PROBE_BUDGET)):
+    if acceptance.idle_steps < acceptance.probe_every:
         return 0
     acceptance.idle_steps = 0
     if probe_backoff:
