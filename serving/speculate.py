@@ -18,6 +18,7 @@ per second, or none when guessing would be slower than not.
 from __future__ import annotations
 
 import logging
+import bisect
 import math
 import statistics
 import time
@@ -114,6 +115,10 @@ class StepCosts:
     measured, its cost is interpolated between measured ones (or extrapolated from the largest), optimistic
     where there is nothing to go by, so a guess gets tried and then priced as it measured.
 
+    Beyond the largest row count measured the price is optimistic too, not the slope of the last two: on a
+    GPU two rows can cost 4x one row (one row replays a captured graph) while 17 cost hardly more than two,
+    and a line through the first two would price every longer draft out before one was ever tried.
+
     The first step of each row count is not a price: a batch shape's first decode pays one-time work (on a
     GPU, a new graph and its buffers), and a price that high would never be measured again, since nothing
     guesses at it. The median, not a moving average, so one step slowed by a neighbour on a shared machine does
@@ -126,6 +131,7 @@ class StepCosts:
     def __init__(self) -> None:
         self._recent: dict[int, deque[float]] = {}
         self._seconds: dict[int, float] = {}  # the price of each measured row count
+        self._rows: list[int] = []  # the measured row counts, sorted
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows < 1 or seconds < 0:
@@ -135,6 +141,8 @@ class StepCosts:
             self._recent[rows] = deque(maxlen=COST_WINDOW)
             return
         recent.append(seconds)
+        if rows not in self._seconds:
+            bisect.insort(self._rows, rows)
         self._seconds[rows] = statistics.median(recent)
 
     def measured(self, rows: int) -> bool:
@@ -155,18 +163,16 @@ class StepCosts:
         known = self._seconds
         if rows in known:
             return known[rows]
-        lower = max((n for n in known if n < rows), default=None)
-        upper = min((n for n in known if n > rows), default=None)
+        at = bisect.bisect(self._rows, rows)
+        lower = self._rows[at - 1] if at > 0 else None
+        upper = self._rows[at] if at < len(self._rows) else None
         if lower is not None and upper is not None:
             share = (rows - lower) / (upper - lower)
             return known[lower] + share * (known[upper] - known[lower])
         anchor = lower if lower is not None else upper
         if anchor is None:
             return 0.0
-        below = max((n for n in known if n < anchor), default=None)
-        slope = (max((known[anchor] - known[below]) / (anchor - below), 0.0) if below is not None and upper is None
-                 else OPTIMISTIC_ROW_COST * known[anchor] / anchor)
-        return max(known[anchor] + slope * (rows - anchor), 0.0)
+        return max(known[anchor] * (1.0 + OPTIMISTIC_ROW_COST * (rows - anchor) / anchor), 0.0)
 
 
 class Acceptance:
@@ -230,8 +236,11 @@ def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int,
 def _best_count(p: float, costs: StepCosts, most: int, base: int, guess: float) -> int:
     """The count of guesses (0..most) with the most tokens per second at acceptance p; 0 if none beats none."""
     best_k, best_gain = 0, 1.0
+    expected, term = 1.0, 1.0  # expected_tokens(p, k), summed as k grows (this runs on every step with guesses)
     for k in range(1, most + 1):
-        gain = (base - 1 + expected_tokens(p, k)) / base / costs.relative(base + k, base, k * guess)
+        term *= p
+        expected += term
+        gain = (base - 1 + expected) / base / costs.relative(base + k, base, k * guess)
         if gain > best_gain:
             best_k, best_gain = k, gain
     return best_k

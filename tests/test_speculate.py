@@ -158,7 +158,8 @@ def test_expected_tokens_counts_the_next_token_and_each_guess_kept_in_order() ->
 def test_step_costs_interpolate_extrapolate_and_follow_new_measurements() -> None:
     c = costs({1: 10.0, 4: 25.0})
     assert c.relative(1, 1) == 1.0 and abs(c.relative(2, 1) - 1.5) < 1e-9  # between 1 and 4 rows
-    assert abs(c.relative(8, 1) - 4.5) < 1e-9  # beyond: the last slope, 5 per row
+    assert abs(c.relative(8, 1) - 2.75) < 1e-9  # beyond: optimistic (0.1 of the largest's cost per row), so
+    # a longer draft gets tried and is then priced as it measured, whatever the last slope said
     c.observe(4, 15.0)
     assert abs(c.relative(4, 1) - 2.0) < 1e-9  # the median of 25 and 15
     for _ in range(COST_WINDOW):
@@ -198,7 +199,7 @@ def test_on_a_gpu_where_rows_are_nearly_free_long_drafts_pay() -> None:
 
 def test_a_request_that_stopped_guessing_probes_again() -> None:
     """A probe bets that the text turned predictable and verifies what would then pay best."""
-    cpu = costs({1: 10.0, 2: 16.0})  # a row ~0.6 of a step: at p = 0.9 two guesses pay best
+    cpu = costs({1: 10.0, 2: 16.0, 3: 22.0, 4: 28.0, 5: 34.0})  # a row 0.6 of a step: at p = 0.9 two guesses pay
     steady = acceptance(1, 9)
     lengths = [draft_length(steady, cpu, 4, 1, probe_backoff=False) for _ in range(3 * PROBE_EVERY)]
     assert [i + 1 for i, k in enumerate(lengths) if k] == [PROBE_EVERY, 2 * PROBE_EVERY, 3 * PROBE_EVERY]
@@ -208,6 +209,14 @@ def test_a_request_that_stopped_guessing_probes_again() -> None:
     assert [i + 1 for i, k in enumerate(lengths) if k] == [PROBE_EVERY, 3 * PROBE_EVERY]
     low.record(2, missed=False)  # the probe held: counted, and the idle count starts again
     assert low.idle_steps == 0 and low.p > 0.1
+
+
+def test_a_costly_first_verify_does_not_price_longer_drafts_out() -> None:
+    """Only one and two rows measured, two at 4.5x one (the H200 with the 135M model): a line through them
+    would price 17 rows at ~75x and no draft could ever pay; priced optimistically, a long one is tried."""
+    first = costs({1: 1.2, 2: 5.4})
+    assert could_pay(first, 16, 1, 0.0)
+    assert draft_length(acceptance(95, 5), first, 16, 1, False) >= 8
 
 
 def test_where_one_guess_costs_what_many_do_a_probe_guesses_many() -> None:
