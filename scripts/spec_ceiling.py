@@ -143,12 +143,10 @@ def replay(settings: SpecSettings, prompt: list[int], generated: list[int]) -> L
 
 def policy_replay(settings: SpecSettings, cost: dict[int, float], texts: list[tuple[list[int], list[int]]]) -> float:
     """Decode time without speculation / with it when the engine's own draft-length rule (draft_length, with a
-    request's Acceptance, and StepCosts holding the measured costs) picks how many of prompt lookup's guesses
-    each step verifies, over the same texts: what the policy gets of the ceilings, without timing noise."""
-    step_costs = StepCosts()
-    for rows, seconds in cost.items():
-        for _ in range(2):  # the first of a shape is a warm-up
-            step_costs.observe(rows, seconds)
+    request's Acceptance, and StepCosts learning the measured costs of the steps it takes, as the engine's
+    does) picks how many of prompt lookup's guesses each step verifies, over the same texts: what the policy
+    gets of the ceilings, without timing noise."""
+    step_costs = StepCosts()  # learns as the engine's does: from the steps the rule takes, over all texts
     plain = spent = 0.0
     for prompt, generated in texts:
         lookup, acceptance, done = PromptLookup(settings), Acceptance(), 1
@@ -160,6 +158,7 @@ def policy_replay(settings: SpecSettings, cost: dict[int, float], texts: list[tu
                 held += 1
             if guesses:
                 acceptance.record(held, missed=held < len(guesses))
+            step_costs.observe(len(guesses) + 1, cost[len(guesses) + 1])
             spent += cost[len(guesses) + 1]
             plain += (held + 1) * cost[1]
             done += held + 1
