@@ -131,9 +131,10 @@ def replay(settings: SpecSettings, prompt: list[int], generated: list[int]) -> L
     offered, held = [], []
     done = 1  # the prompt's step gives the first token
     while done < len(generated):
-        guesses = lookup.propose(prompt + generated[:done], settings.draft_max)
+        # k guesses yield up to k + 1 tokens: no more guesses than leave the text's last token to the step
+        guesses = lookup.propose(prompt + generated[:done], min(settings.draft_max, len(generated) - done - 1))
         ok = 0
-        while ok < len(guesses) and done + ok < len(generated) and guesses[ok] == generated[done + ok]:
+        while ok < len(guesses) and guesses[ok] == generated[done + ok]:
             ok += 1
         offered.append(len(guesses))
         held.append(ok)
