@@ -1,13 +1,29 @@
-"""Helpers that collect a generation. Every one of them FAILS on an error chunk: a test that passes on an
-error path (an errored generation returning "" that happens to differ from something) is the worst kind."""
+"""Test helpers. Those that collect a generation FAIL on an error chunk: a test that passes on an error path
+(an errored generation returning "" that happens to differ from something) is the worst kind."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 from serving.request import FinishReason, GenerationChunk, RequestHandle, Usage
 
 WAIT_S = 120.0  # per chunk: a hang fails the test instead of the whole run
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_module(name: str) -> Iterator[ModuleType]:
+    """A script of scripts/ imported as a module (scripts/ is not a package: it is on the path just for the
+    import), for a fixture to `yield from`."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPTS))
 
 
 @dataclass

@@ -8,26 +8,19 @@ exercised by the CPU smoke run described in the script's docstring, not here.
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
 from measure.device import Bandwidth, measure_bandwidth, roofline_tok_s
+from tests.helpers import script_module
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
 GiB = 1 << 30
 
 
 @pytest.fixture(scope="module")
 def bd():
     """The script imported as a module (scripts/ is not a package: put it on the path just for the import)."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        yield importlib.import_module(SCRIPT.stem)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    yield from script_module("bench_device")
 
 
 def test_bandwidth_counts_read_and_write() -> None:

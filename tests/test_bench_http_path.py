@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
+from tests.helpers import script_module
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        yield importlib.import_module("bench_http_path")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    yield from script_module("bench_http_path")
 
 
 def test_a_variant_is_a_name_serve_run_words_and_replica_environment(bench) -> None:  # noqa: ANN001

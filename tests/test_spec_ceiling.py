@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
 from serving.speculate import SpecSettings
+from tests.helpers import script_module
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 SETTINGS = SpecSettings(draft_max=8, ngram_min=2, ngram_max=3)
 PROMPT = list(range(100, 140))  # 40 distinct tokens
 COPY = PROMPT[10:34]  # the text repeats 24 tokens of its prompt verbatim
@@ -21,11 +18,7 @@ LINEAR = {k: float(k) for k in range(1, 10)}  # every row costs a decode
 
 @pytest.fixture(scope="module")
 def ceiling():  # noqa: ANN201
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        yield importlib.import_module("spec_ceiling")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    yield from script_module("spec_ceiling")
 
 
 def test_replay_keeps_every_held_guess_and_counts_each_token_once(ceiling) -> None:  # noqa: ANN001
