@@ -33,6 +33,12 @@ REPACK_FLAGS = ("--repack", "--no-repack", "-nr")
 FORBIDDEN_SERVER_ARGS = ("--host", "--port", "-m", "--model", "-hf", "--hf-repo", "--api-key")
 
 
+def prompt_tokens(engine: Engine, prompt: Prompt) -> list[int]:
+    """A workload prompt as the engine's tokens: a chat prompt through the model's template, as a user turn."""
+    text = engine.render_chat([{"role": "user", "content": prompt.text}]) if prompt.chat else prompt.text
+    return engine.tokenize_prompt(text)
+
+
 class EngineTarget:
     """Our Engine called directly: what the HTTP path costs shows against HttpTarget. Tokenising (and, for
     a chat prompt, rendering the template) happens inside the timed span, as a server would do it."""
@@ -43,10 +49,8 @@ class EngineTarget:
 
     async def run_stream(self, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> StreamRecord:
         record = StreamRecord(t_start=time.perf_counter())
-        text = self.engine.render_chat([{"role": "user", "content": prompt.text}]) if prompt.chat else prompt.text
-        tokens = self.engine.tokenize_prompt(text)
-        handle = self.engine.submit(tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                           ignore_eos=ignore_eos))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        handle = self.engine.submit(prompt_tokens(self.engine, prompt), params)
         async for chunk in handle:
             t = time.perf_counter()
             if chunk.error:

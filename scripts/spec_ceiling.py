@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +35,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
 from _loopback_app import parse_overrides  # noqa: E402
+from bench_verify import timed_decode  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
+from measure.targets import prompt_tokens  # noqa: E402
 from measure.workload import Prompts, PromptSet  # noqa: E402
 from serving.config import EngineConfig, SpecMode  # noqa: E402
 from serving.engine import Engine, default_threads  # noqa: E402
@@ -57,14 +58,14 @@ def row_costs(config: EngineConfig, depth: int, most: int) -> dict[int, float]:
     vocab = model.n_vocab
     token = [(3 + 7 * j) % (vocab - 10) + 5 for j in range(most + 3)]
     try:
-        _timed(ctx, [(17 + 31 * i) % (vocab - 10) + 5 for i in range(depth)], 0)
+        timed_decode(ctx, [(17 + 31 * i) % (vocab - 10) + 5 for i in range(depth)], 0)
         one, verify, after = [], {k: [] for k in range(2, most + 1)}, {k: [] for k in range(2, most + 1)}
         for r in range(REPEATS + 1):
             for k in verify if r % 2 else reversed(verify):
-                _timed(ctx, token[:1], depth)
-                lone = _timed(ctx, token[1:2], depth + 1)
-                rows = _timed(ctx, token[2:2 + k], depth + 2)
-                next_one = _timed(ctx, token[2 + k:3 + k], depth + 2 + k)
+                timed_decode(ctx, token[:1], depth)
+                lone = timed_decode(ctx, token[1:2], depth + 1)
+                rows = timed_decode(ctx, token[2:2 + k], depth + 2)
+                next_one = timed_decode(ctx, token[2 + k:3 + k], depth + 2 + k)
                 ctx.forget(0, depth)
                 if r:  # the first round is a warm-up
                     one.append(lone)
@@ -77,21 +78,6 @@ def row_costs(config: EngineConfig, depth: int, most: int) -> dict[int, float]:
         model.free()
 
 
-def _timed(ctx: LlamaContext, tokens: list[int], pos: int) -> float:
-    """Seconds of one decode of `tokens` at `pos`, every row's logits read back (as a verify does)."""
-    ctx.clear_batch()
-    ctx.add_to_batch(tokens, pos, 0, True, len(tokens) > 1)
-    t0 = time.perf_counter()
-    _decode(ctx)
-    _ = ctx.logits(len(tokens) - 1)[0]
-    return time.perf_counter() - t0
-
-
-def _decode(ctx: LlamaContext) -> None:
-    if ctx.decode() != 0:
-        raise SystemExit("llama_decode failed")
-
-
 def greedy_texts(config: EngineConfig, prompt_set: PromptSet, n: int, gen_tokens: int) -> list[tuple[list[int],
                                                                                                      list[int]]]:
     """(prompt tokens, greedy output tokens) for the set's first n prompts, speculation off, EOS honoured."""
@@ -99,8 +85,7 @@ def greedy_texts(config: EngineConfig, prompt_set: PromptSet, n: int, gen_tokens
     try:
         out = []
         for prompt in Prompts(prompt_set).round(n):
-            text = engine.render_chat([{"role": "user", "content": prompt.text}]) if prompt.chat else prompt.text
-            tokens = engine.tokenize_prompt(text)
+            tokens = prompt_tokens(engine, prompt)
             handle = engine.submit(tokens, SamplingParams(max_tokens=gen_tokens, temperature=0.0))
             generated: list[int] = []
             for chunk in handle:

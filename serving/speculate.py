@@ -17,8 +17,8 @@ per second, or none when guessing would be slower than not.
 
 from __future__ import annotations
 
-import logging
 import bisect
+import logging
 import math
 import statistics
 import time
@@ -211,10 +211,10 @@ def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int,
     would then pay best (where a verify costs about the same for one guess as for many, many: a one-guess
     probe could not show a run worth that price; on a 2-core CPU, one or two). With `probe_backoff` (a draft
     model, whose probe costs it the catching up) the interval doubles while probes find nothing worth it, and
-    starts again once guessing pays. No probe where guessing could not pay
-    even if every guess held (a draft model as slow as the model). A guesser whose cost is not yet measured
-    (None) is priced as free and probed with UNTIMED_PROBE guesses, so that a one-row decode of it is timed
-    after the first (a warm-up, see StepCosts)."""
+    starts again once guessing pays. No probe where guessing could not pay even if every guess held (a draft
+    model as slow as the model). A guesser whose cost is not yet measured (None) is priced as free and probed
+    with UNTIMED_PROBE guesses, so that a one-row decode of it is timed after the first (a warm-up, see
+    StepCosts)."""
     guess = guess_seconds or 0.0
     best_k = _best_count(acceptance.p, costs, most, base, guess)
     if best_k > 0:
@@ -222,15 +222,15 @@ def draft_length(acceptance: Acceptance, costs: StepCosts, most: int, base: int,
         return best_k
     if most <= 0 or not could_pay(costs, most, base, guess):
         return 0
-    probe = (max(_best_count(PROBE_P, costs, most, base, guess), 1) if guess_seconds is not None
-             else min(UNTIMED_PROBE, most))
     acceptance.idle_steps += 1
     if acceptance.idle_steps < acceptance.probe_every:
         return 0
     acceptance.idle_steps = 0
     if probe_backoff:
         acceptance.probe_every = min(2 * acceptance.probe_every, PROBE_EVERY_MOST)
-    return probe
+    if guess_seconds is None:
+        return min(UNTIMED_PROBE, most)
+    return max(_best_count(PROBE_P, costs, most, base, guess), 1)
 
 
 def _best_count(p: float, costs: StepCosts, most: int, base: int, guess: float) -> int:
