@@ -85,8 +85,9 @@ async def run_relayed(app: ASGIApp, request: RelayedRequest,
     UNHELD_PARTS parts, parts are at least `spacing()` seconds apart (asked before each part; what comes in
     between travels together): every part costs Python work in two Serve hops that, on a small CPU, preempts
     the decode threads. The first two go at once: a chat stream's first part is its opening (the role
-    frame), and the first token, the second, must not wait behind it. When the caller goes away (the
-    generator is closed or cancelled) the app sees `http.disconnect` and its task is cancelled.
+    frame), and the first token, the second, must not wait behind it; nor does the last (the answer's end
+    is never held back). When the caller goes away (the generator is closed or cancelled) the app sees
+    `http.disconnect` and its task is cancelled.
     """
     messages: asyncio.Queue[Message | None] = asyncio.Queue()
     disconnected = asyncio.Event()
@@ -100,16 +101,24 @@ async def run_relayed(app: ASGIApp, request: RelayedRequest,
         await disconnected.wait()
         return {"type": "http.disconnect"}
 
+    ended = asyncio.Event()  # the app sent its last bytes, or returned
+
     async def send(message: Message) -> None:
         messages.put_nowait(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            ended.set()
 
     async def answer() -> None:
         await app(request.scope(), receive, send)
 
+    def done(_: asyncio.Task[None]) -> None:
+        messages.put_nowait(None)
+        ended.set()
+
     task: asyncio.Task[None] = asyncio.create_task(answer())
-    task.add_done_callback(lambda _: messages.put_nowait(None))
+    task.add_done_callback(done)
     try:
-        async for part in _parts(messages, spacing):
+        async for part in _parts(messages, spacing, ended):
             yield part
     finally:
         disconnected.set()
@@ -119,32 +128,34 @@ async def run_relayed(app: ASGIApp, request: RelayedRequest,
             await task
 
 
-async def _parts(messages: asyncio.Queue[Message | None], spacing: Callable[[], float]) -> AsyncIterator[RelayedPart]:
+async def _parts(messages: asyncio.Queue[Message | None], spacing: Callable[[], float],
+                 ended: asyncio.Event) -> AsyncIterator[RelayedPart]:
     """Group the app's ASGI messages: wait for one, then (once started) until `spacing()` has passed since
-    the last part, and take every one queued by then."""
+    the last part or the app has ended if sooner, and take every one queued by then."""
     loop = asyncio.get_running_loop()
     status: int | None = None
     headers: RawHeaders | None = None
     sent, last = 0, 0.0
     while True:
         batch = [await messages.get()]
-        wait = last + spacing() - loop.time() if sent >= UNHELD_PARTS and batch[0] is not None else 0.0
+        wait = last + spacing() - loop.time() if sent >= UNHELD_PARTS and not ended.is_set() else 0.0
         if wait > 0:
-            await asyncio.sleep(wait)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), wait)
         while not messages.empty():
             batch.append(messages.get_nowait())
-        body, more, ended = [], True, False
+        body, more, returned = [], True, False
         for message in batch:
             if message is None:
-                ended = True
+                returned = True
             elif message["type"] == "http.response.start":
                 status, headers = message["status"], list(message.get("headers", []))
             elif message["type"] == "http.response.body":
                 body.append(message.get("body", b""))
                 more = bool(message.get("more_body", False))
-        if ended and status is None:  # the app returned (or failed) without answering
+        if returned and status is None:  # the app returned (or failed) without answering
             raise RuntimeError("the app ended without a response")
-        if ended:
+        if returned:
             more = False
         if not body and more:  # the status waits for the first body bytes
             continue

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -93,6 +94,27 @@ def test_an_interval_groups_a_streams_events_and_keeps_its_bytes() -> None:
     assert grouped[0].body == b"data: 0\n\n", "the first bytes are not held back"
     assert grouped[1].body == b"data: 1\n\n", "nor the second (a chat stream's first token, after its opening)"
     assert len(grouped) <= 6 < len(plain)
+
+
+def test_the_end_of_a_stream_is_not_held_for_the_interval() -> None:
+    """A stream that ends while the relay waits out a long interval goes at once, its end included."""
+    async def short(_: Request) -> Response:
+        async def gen() -> AsyncIterator[str]:
+            for i in range(4):
+                await asyncio.sleep(0.01)
+                yield f"data: {i}\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def timed() -> tuple[list[RelayedPart], float]:
+        app = Starlette(routes=[Route("/short", short)])
+        start = time.monotonic()
+        parts = await _all(run_relayed(app, _request("/short", method="GET"), spacing=lambda: 5.0))
+        return parts, time.monotonic() - start
+
+    parts, took = asyncio.run(timed())
+    assert b"".join(p.body for p in parts) == b"".join(f"data: {i}\n\n".encode() for i in range(4))
+    assert [p.more for p in parts] == [True] * (len(parts) - 1) + [False]
+    assert took < 2.5  # far below the 5 s interval (what it takes is not measured here)
 
 
 def test_closing_the_relay_ends_the_apps_stream() -> None:
