@@ -27,7 +27,7 @@ import threading
 from dataclasses import asdict
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from serving import llama as _llama  # load order: ray before libllama, see serving/llama.py
 
@@ -40,7 +40,7 @@ from starlette.types import ASGIApp
 from serving.api import APIError
 from serving.config import EngineConfig, load_engine_config
 from serving.control import DEPLOYMENT_NAME, ConfigChannel, ConfigFollower
-from serving.engine import Engine
+from serving.engine import Engine, default_threads
 from serving.ingress import HealthReport, OpenAIIngress
 from serving.metrics import CONTENT_TYPE, ReplicaMetrics
 from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middleware
@@ -56,6 +56,8 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 TUNED_CONFIG = REPO_ROOT / "configs" / "tuned.yaml"
 METRICS_SAMPLE_S = 1.0
 MAX_PART_SPACING_S = 0.25  # a stream's bytes never wait longer than this for company
+INTERVAL_MS = 50.0  # stream_interval_ms=auto where HTTP work has a core of its own (a GPU, or a spare core)
+CPU_BOUND_INTERVAL_MS = 200.0  # ... and where the decode threads take every core (docs/performance.md)
 LOAD_FAILED = "the model failed to load; the reason is in the server log"
 
 
@@ -78,10 +80,12 @@ class ServerOptions(BaseModel):
     api_key: str | None = Field(None, description="if set, requests need 'Authorization: Bearer <key>'")
     cors_origins: list[str] = Field(default_factory=list, description="origins browsers may call from "
                                     "(CORS), e.g. ['*'] or 'https://a.example,https://b.example'; none: no CORS")
-    stream_interval_ms: float = Field(50.0, ge=0, le=1000, description="streams: after the first bytes, a "
-                                      "replica relays about one part per this many ms over all its streams "
-                                      "(each stream's SSE events in between travel together): fewer hops cost "
-                                      "the decode threads less CPU")
+    stream_interval_ms: Annotated[float, Field(ge=0, le=1000)] | Literal["auto"] = Field(
+        "auto", description="streams: after the first token, a replica sends about one SSE event (and relays one "
+        "part) per this many ms over all its streams, each event holding the tokens generated since the last (a "
+        "stream asking for logprobs: an event per token); fewer events cost the decode threads less CPU. 'auto': "
+        f"{CPU_BOUND_INTERVAL_MS:g} while the model decodes on the CPU with a thread on every core, where each "
+        f"event takes CPU from decoding, else {INTERVAL_MS:g}")
     cpus_per_replica: float = Field(1.0, gt=0)
     config_poll_s: float = Field(1.0, gt=0, description="how often replicas look for a published config")
     tuning_lease_s: float = Field(300.0, gt=0, description="an in-place study whose tuner sent no trial for "
@@ -97,6 +101,19 @@ class ServerOptions(BaseModel):
     def max_ongoing_requests(self) -> int:
         """Serve's per-replica limit: above the engine's own (any n_parallel + the queue), never binding."""
         return _n_parallel_limit() + self.max_queued_requests + self.control_headroom
+
+
+def stream_interval_ms(setting: float | Literal["auto"], config: EngineConfig, gpu_offload: bool, cpus: int
+                       ) -> float:
+    """The interval a replica paces its streams by. `auto` paces harder where the model decodes on the CPU
+    with a thread on every core: there every event's Python work (the replica, Serve's hops, the client)
+    preempts a decode thread and stalls the others at llama.cpp's barriers, which measured 0.86x of the
+    in-process engine for one stream at 50 ms against 0.95-0.97x at 200 ms (docs/performance.md)."""
+    if setting != "auto":
+        return setting
+    on_cpu = config.n_gpu_layers == 0 or not gpu_offload
+    every_core = (config.n_threads or cpus) >= cpus
+    return CPU_BOUND_INTERVAL_MS if on_cpu and every_core else INTERVAL_MS
 
 
 class BackgroundTasks:
@@ -313,18 +330,23 @@ class LlamaServer(OpenAIRoutes):
         """A request the ingress relayed, answered by this replica's own routes (serving/relay.py)."""
         self._relays += 1
         try:
-            async for part in run_relayed(self.app, request, self._part_spacing):
+            async for part in run_relayed(self.app, request, self.stream_spacing):
                 yield part
         finally:
             self._relays -= 1
 
-    def _part_spacing(self) -> float:
-        """Seconds between a stream's relayed parts: `stream_interval_ms` per stream that can be generating
-        (relayed requests, at most one per slot), so this replica's parts per second stay about
-        1000 / stream_interval_ms however many streams share it; never over MAX_PART_SPACING_S."""
+    def stream_spacing(self) -> float:
+        """Seconds between a stream's events (serving/openai.py) and relayed parts: `stream_interval_ms` per
+        stream that can be generating (relayed requests, at most one per slot), so this replica sends about
+        1000 / stream_interval_ms events and parts a second however many streams share it; never over
+        MAX_PART_SPACING_S."""
         engine = self._engine
-        generating = min(self._relays, engine.config.n_parallel) if engine is not None else 1
-        return min(self._options.stream_interval_ms / 1000 * max(1, generating), MAX_PART_SPACING_S)
+        if engine is None:
+            return 0.0
+        generating = min(self._relays, engine.config.n_parallel)
+        interval = stream_interval_ms(self._options.stream_interval_ms, engine.config,
+                                      _llama.gpu_offload_supported(), default_threads())
+        return min(interval / 1000 * max(1, generating), MAX_PART_SPACING_S)
 
     @api.get("/slots", responses=ERROR_RESPONSES)
     async def slots(self) -> dict[str, Any]:

@@ -149,6 +149,11 @@ class LlamaModel:
             self.ptr = None
 
 
+def gpu_offload_supported() -> bool:
+    """Whether this llama.cpp build can put layers on a GPU (llama.h: `bool llama_supports_gpu_offload(void)`)."""
+    return bool(ll.llama_supports_gpu_offload())
+
+
 VOCAB_SAMPLES = 512  # token ids compared between a model and its draft model (spread over the vocabulary)
 
 

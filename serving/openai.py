@@ -38,7 +38,8 @@ from serving.chat_template import ChatTemplateError
 from serving.errors import EngineStoppedError, PromptTooLongError, QueueFullError
 from serving.reasoning import START as THINK_START
 from serving.reasoning import ReasoningFormat
-from serving.request import FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage
+from serving.request import (FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage, paced,
+                             unpaced)
 from serving.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
 from serving.structured import GrammarError, tool_call_grammar
 from serving.tools import messages_for_plain_template
@@ -252,16 +253,18 @@ def _generation_failed(chunk: GenerationChunk) -> APIError:
     return APIError(500, chunk.error or GENERATION_FAILED, type_="server_error", code="generation_failed")
 
 
-async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, GenerationChunk]]:
-    """(choice index, chunk) from several handles as they come; one handle is read directly."""
+async def merged(handles: list[RequestHandle], spacing: Callable[[], float] | None = unpaced
+                 ) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """(choice index, chunk) from several handles as they come, each handle `paced` by `spacing`; one
+    handle is read directly."""
     if len(handles) == 1:
-        async for chunk in handles[0]:
+        async for chunk in paced(handles[0], spacing):
             yield 0, chunk
         return
     queue: asyncio.Queue[tuple[int, GenerationChunk] | None] = asyncio.Queue()
 
     async def pump(index: int, handle: RequestHandle) -> None:
-        async for chunk in handle:
+        async for chunk in paced(handle, spacing):
             await queue.put((index, chunk))
         await queue.put(None)
 
@@ -304,8 +307,11 @@ class Job:
         return self.response.whole(self.states, self.usage(), self.echoes)
 
 
-async def sse_events(job: Job, include_usage: bool, metrics: RequestRecorder, rid: str) -> AsyncIterator[str]:
-    """Server-sent events for one answer; always ends with `[DONE]` unless the client went away.
+async def sse_events(job: Job, include_usage: bool, metrics: RequestRecorder, rid: str,
+                     spacing: Callable[[], float] | None = unpaced) -> AsyncIterator[str]:
+    """Server-sent events for one answer; always ends with `[DONE]` unless the client went away. After a
+    choice's first chunk, what it generates over `spacing()` seconds goes as one event; `None`: an event
+    per token (`paced`).
 
     An error chunk (the engine failed a choice) sends OpenAI's error JSON as an event, then `[DONE]`.
     Anything raised here (a bug) becomes the same error event with a generic message, since the 200 status
@@ -314,7 +320,7 @@ async def sse_events(job: Job, include_usage: bool, metrics: RequestRecorder, ri
     try:
         for frame in job.openings():
             yield _event(frame)
-        async for index, chunk in merged(job.handles):
+        async for index, chunk in merged(job.handles, spacing):
             state = job.states[index]
             if chunk.finish_reason == FinishReason.error:  # what came before the error (merged in) goes first
                 for frame in job.response.stream(state, state.feed(replace(chunk, finish_reason=None, usage=None))):
@@ -341,13 +347,18 @@ class OpenAIRoutes:
     """The /v1 routes, as methods of the Serve deployment that inherits them (serving/app.py's LlamaServer).
 
     The host provides `ready_engine()` (the engine, or an APIError 503 while there is none) and `metrics`
-    (a RequestRecorder). The routes use the engine's public API only.
+    (a RequestRecorder), and may pace streams (`stream_spacing`). The routes use the engine's public API only.
     """
 
     metrics: RequestRecorder
 
     def ready_engine(self) -> Engine:
         raise NotImplementedError
+
+    def stream_spacing(self) -> float:
+        """Seconds between a stream's events after its first token (what comes between travels in one
+        event); 0: an event per token. A stream whose client asked for logprobs always gets one per token."""
+        return 0.0
 
     @contextlib.asynccontextmanager
     async def engine_turn(self) -> AsyncIterator[Engine]:
@@ -431,7 +442,7 @@ class OpenAIRoutes:
             try:
                 for event in answer.opening():
                     yield typed(event)
-                async for chunk in handle:
+                async for chunk in paced(handle, self.stream_spacing):
                     if chunk.finish_reason == FinishReason.error:
                         self.metrics.record_request(chunk.usage, FinishReason.error)
                         yield typed(answer.event("error", **responses_error(_generation_failed(chunk))))
@@ -503,8 +514,9 @@ class OpenAIRoutes:
                     self.metrics.record_request(chunk.usage, chunk.finish_reason)
 
     async def _stream(self, job: Job, include_usage: bool, rid: str) -> AsyncIterator[str]:
+        spacing = None if job.response.want_logprobs else self.stream_spacing  # logprobs: per token
         async with _cancel_unless_finished(job.handles, self.metrics):
-            async for event in sse_events(job, include_usage, self.metrics, rid):
+            async for event in sse_events(job, include_usage, self.metrics, rid, spacing):
                 yield event
 
     def _submit(self, engine: Engine, tokens: list[int], params: SamplingParams, n: int,

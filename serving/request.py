@@ -9,9 +9,11 @@ the next step, so a dropped client never holds a slot longer than one decode.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -134,7 +136,8 @@ class RequestHandle:
     """The caller's side of a request: iterate it (sync or async) for GenerationChunks; cancel() to drop it.
 
     Async iteration yields every chunk available at the moment as one merged chunk, so a reader slower than
-    the decoder (a busy HTTP stack) sends fewer, fuller SSE events instead of falling behind.
+    the decoder (a busy HTTP stack) sends fewer, fuller SSE events instead of falling behind; `next_chunk`
+    lets a reader pace itself (take what came over an interval as one chunk).
     """
 
     def __init__(self, request: Request, wake_engine: threading.Event) -> None:
@@ -145,8 +148,9 @@ class RequestHandle:
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
             self._ready: asyncio.Event | None = asyncio.Event()
+            self._ended: asyncio.Event | None = asyncio.Event()  # the last chunk is queued
         except RuntimeError:
-            self._loop, self._ready = None, None
+            self._loop, self._ready, self._ended = None, None, None
 
     # -- engine side ---------------------------------------------------------------------------------
     def push(self, chunk: GenerationChunk) -> bool:
@@ -158,10 +162,17 @@ class RequestHandle:
         if self._loop is None or self._ready is None:
             return True
         try:
-            self._loop.call_soon_threadsafe(self._ready.set)
+            self._loop.call_soon_threadsafe(self._wake_reader, chunk.finish_reason is not None)
         except RuntimeError:  # "Event loop is closed"
             return False
         return True
+
+    def _wake_reader(self, last: bool) -> None:
+        """On the reader's loop: a chunk is queued (and whether it is the request's last)."""
+        assert self._ready is not None and self._ended is not None
+        self._ready.set()
+        if last:
+            self._ended.set()
 
     # -- caller side ---------------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -191,19 +202,39 @@ class RequestHandle:
         return self
 
     async def __anext__(self) -> GenerationChunk:
+        return await self._next(merge=True)
+
+    async def next_chunk(self, not_before: float | None = 0.0) -> GenerationChunk:
+        """The next chunk, merged with all that follows until the event loop's clock reads `not_before`, or
+        until the request's last chunk comes if sooner (at least one chunk: past `not_before`, the next).
+        `None`: the next chunk alone, as the engine pushed it (one token), however many wait behind it.
+
+        A paced reader (the HTTP routes, `paced` below) thus wakes once per interval, not once per token,
+        and never holds a request's end back."""
+        if self._ended is None:
+            raise RuntimeError("this handle was created outside an event loop; iterate it synchronously")
+        if not_before is None:
+            return await self._next(merge=False)
+        wait = not_before - asyncio.get_running_loop().time()
+        if wait > 0 and not self._ended.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ended.wait(), wait)
+        return await self._next(merge=True)
+
+    async def _next(self, merge: bool) -> GenerationChunk:
         if self._done:
             raise StopAsyncIteration
         if self._ready is None:
             raise RuntimeError("this handle was created outside an event loop; iterate it synchronously")
         while True:
-            merged = self._drain()
-            if merged is not None:
-                self._done = merged.finish_reason is not None
-                return merged
+            chunk = self._drain(merge)
+            if chunk is not None:
+                self._done = chunk.finish_reason is not None
+                return chunk
             await self._ready.wait()
             self._ready.clear()
 
-    def _drain(self) -> GenerationChunk | None:
+    def _drain(self, merge: bool) -> GenerationChunk | None:
         merged = None
         while True:
             try:
@@ -211,5 +242,27 @@ class RequestHandle:
             except queue.Empty:
                 return merged
             merged = chunk if merged is None else merged.merge(chunk)
-            if chunk.finish_reason is not None:
+            if chunk.finish_reason is not None or not merge:
                 return merged
+
+
+def unpaced() -> float:
+    """A stream's spacing when it is not paced: each read takes whatever is there."""
+    return 0.0
+
+
+async def paced(handle: RequestHandle, spacing: Callable[[], float] | None) -> AsyncIterator[GenerationChunk]:
+    """A handle's chunks: at once until one carries text (the first visible token never waits), then each
+    `spacing()` seconds (asked each time) after the reader came back for it, holding everything generated in
+    between (the last never waits); with `spacing=None`, one chunk per token however far the reader lags.
+
+    Why: every chunk a stream sends costs Python work in the replica, in Serve's hops and in the client,
+    and on a machine whose cores all decode that work stalls the decode threads; a chunk per interval
+    rather than per token keeps it off them (vLLM's `stream_interval` does the same by token count)."""
+    loop = asyncio.get_running_loop()
+    not_before, shown = 0.0, False
+    while not handle.finished:
+        chunk = await handle.next_chunk(None if spacing is None else not_before)
+        yield chunk
+        shown = shown or bool(chunk.text)
+        not_before = loop.time() + spacing() if spacing is not None and shown else 0.0

@@ -629,7 +629,7 @@ def test_scripted_exception_inside_a_stream_is_an_error_event_and_done(scripted:
     from serving.request import GenerationChunk, RequestHandle
 
     class Exploding(RequestHandle):
-        async def __anext__(self) -> GenerationChunk:
+        async def next_chunk(self, not_before: float | None = 0.0) -> GenerationChunk:  # what the routes read
             if self.request.id and not getattr(self, "_sent", False):
                 self._sent = True
                 return GenerationChunk("Hel", [1])

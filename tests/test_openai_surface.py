@@ -152,6 +152,10 @@ def test_chat_logprobs_one_per_completion_token(client: openai.OpenAI, model: st
     assert "".join(t.token for t in content) == whole.choices[0].message.content
     streamed = collect_stream(client.chat.completions.create(**kw, stream=True))
     assert [t.token for t in streamed["choices"][0]["logprobs"]] == [t.token for t in content]
+    # a stream asking for logprobs is never paced: one token per event, as llama-server sends them
+    per_event = [len(c.logprobs.content) for e in streamed["events"] for c in e.choices
+                 if c.logprobs and c.logprobs.content]
+    assert per_event == [1] * len(content)
 
 
 def test_completion_logprobs_shape(client: openai.OpenAI, model: str) -> None:
