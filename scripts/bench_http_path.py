@@ -9,6 +9,9 @@ the same run.
 
     python scripts/bench_http_path.py --variant default --variant 't1:n_threads=1' \\
         --variant 'no-thread:env:RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0' --repeats 5
+
+A server started another way (e.g. with Serve's cluster-wide switches, which a variant cannot set) joins the
+same interleaved rounds with `--server NAME=URL` (its API root, e.g. http://127.0.0.1:30000/v1).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from serving import llama as _llama  # noqa: E402,F401  (first: the library load
 from measure import serve_app  # noqa: E402
 from measure.metrics import ratios  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
-from measure.targets import loaded_engine  # noqa: E402
+from measure.targets import HttpTarget, loaded_engine  # noqa: E402
 from measure.workload import Runner, Target, Workload  # noqa: E402
 from serving.config import load_engine_config  # noqa: E402
 
@@ -68,10 +71,15 @@ class Variant:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides = dict(word.split("=", 1) for word in args.engine)
     config = load_engine_config(REPO_ROOT / "configs" / "default.yaml", overrides)
-    port = serve_app.start_serve(0, None)
+    port = serve_app.start_serve(0, None) if args.variant else 0
     try:
         async with contextlib.AsyncExitStack() as stack:
             targets: list[Target] = [stack.enter_context(loaded_engine(config, IN_PROCESS))]
+            for name, url in args.server:
+                server = HttpTarget(name, url)
+                stack.push_async_callback(server.aclose)
+                await server.preflight()
+                targets.append(server)
             for v in args.variant:
                 targets.append(await stack.enter_async_context(serve_app.deployed(
                     port, {**overrides, **v.args}, args.load_timeout, 300.0, name=v.name, env=v.env)))
@@ -79,14 +87,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results = await Runner(workload).levels(targets, lambda name, level, rep, f: print(
                 f"  {name:<12} c={level} rep {rep}: {f.aggregate_tok_s:.1f} tok/s", file=sys.stderr))
     finally:
-        serve_app.stop_serve()
+        if args.variant:
+            serve_app.stop_serve()
     reference = results[IN_PROCESS]
     return {"provenance": provenance(), "engine_config": config.to_yaml_dict(),
             "variants": {v.name: {"args": v.args, "env": v.env} for v in args.variant},
+            "servers": dict(args.server),
             "results": {name: {str(n): level.as_dict() for n, level in levels.items()}
                         for name, levels in results.items()},
             "ratios": {name: {str(n): ratios(level.median, reference[n].median) for n, level in levels.items()}
                        for name, levels in results.items() if name != IN_PROCESS}}
+
+
+def _named_url(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep or not name or name == IN_PROCESS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=URL (a name other than {IN_PROCESS!r})")
+    return name, url
 
 
 def table(report: dict[str, Any]) -> str:
@@ -103,8 +120,10 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variant", type=Variant.parse, action="append", required=True,
+    p.add_argument("--variant", type=Variant.parse, action="append", default=[],
                    help="name[:KEY=VALUE,...][:env:NAME=VALUE,...]; repeat for more")
+    p.add_argument("--server", type=_named_url, action="append", default=[], metavar="NAME=URL",
+                   help="also measure a server already running at URL (its API root); repeat for more")
     p.add_argument("--engine", action="append", default=["n_parallel=4", "n_ctx=4096"], metavar="KEY=VALUE",
                    help="engine settings of every target (default n_parallel=4, n_ctx=4096)")
     p.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=(1, 4))
@@ -113,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--load-timeout", type=float, default=300.0)
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
+    if not args.variant and not args.server:
+        p.error("give at least one --variant or --server")
     report = asyncio.run(run(args))
     print(table(report))
     if args.json_out:
