@@ -8,6 +8,7 @@ process (to SIGKILL it) and publish live configs on the app's ConfigChannel the 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -98,7 +99,7 @@ class LoopbackApp:
         t0 = time.monotonic()
         self._tmp = tempfile.mkdtemp(prefix="lst-ray-", dir="/tmp")  # short: Ray's socket paths are length-limited
         ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=self._tmp,
-                 logging_level="ERROR", log_to_driver=False)
+                 logging_level=logging.ERROR, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         serve.run(main(dict(self.app_args)), name=APP_NAME, route_prefix="/")
         self.wait_healthy(timeout_s - (time.monotonic() - t0))

@@ -25,10 +25,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
 from measure.provenance import provenance, write_report  # noqa: E402
-from measure.workload import read  # noqa: E402
 from serving.config import EngineConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
-from serving.request import SamplingParams  # noqa: E402
+from serving.request import FinishReason, GenerationChunk, SamplingParams, Usage  # noqa: E402
 from serving.structured import json_schema_grammar, response_format_grammar, tool_call_grammar  # noqa: E402
 from serving.tools import messages_for_plain_template  # noqa: E402
 
@@ -37,7 +36,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30},
                                                        "maxItems": 4}},
           "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
     "required": ["city", "unit"]}}}
 
@@ -61,12 +60,22 @@ def prompt(engine: Engine, text: str, tools: bool, n: int) -> list[int]:
     return engine.tokenize_prompt(engine.render_chat(messages))
 
 
+def generate(engine: Engine, tokens: list[int], params: SamplingParams) -> Usage:
+    """One request to its end; an error ends the measurement (a failed run is no figure)."""
+    last = GenerationChunk()
+    for chunk in engine.submit(tokens, params):
+        last = chunk
+    if last.finish_reason not in (FinishReason.stop, FinishReason.length) or last.usage is None:
+        raise RuntimeError(f"a measured request ended with {last.finish_reason}: {last.error}")
+    return last.usage
+
+
 def run(engine: Engine, text: str, grammar: str | None, tools: bool, n: int, gen: int) -> dict[str, Any]:
     before = engine.stats()["counters"]
-    stream = read(engine.submit(prompt(engine, text, tools, n), SamplingParams(max_tokens=gen, temperature=0.0,
-                                                                               grammar=grammar)))
+    usage = generate(engine, prompt(engine, text, tools, n), SamplingParams(max_tokens=gen, temperature=0.0,
+                                                                            grammar=grammar))
     after = engine.stats()["counters"]
-    return {"decode_tok_s": stream.decode_tok_s, "tokens": stream.usage.completion_tokens,
+    return {"decode_tok_s": usage.decode_tok_s, "tokens": usage.completion_tokens,
             "resamples": after.get("grammar_resamples", 0) - before.get("grammar_resamples", 0)}
 
 

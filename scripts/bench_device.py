@@ -35,6 +35,7 @@ from serving import llama as _llama  # noqa: E402,F401  (first: the library load
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -221,7 +222,7 @@ async def bench_config(run: Run, name: str) -> None:
             if label == "ours HTTP":
                 ensure_serve(run)
             entry["targets"][label] = await run_phase(run, f"[{name}] {label}", a.phase_timeout,
-                                                      lambda out, fn=fn: fn(run, name, out))
+                                                      functools.partial(fn, run, name))
 
 
 async def phase_bandwidth(run: Run) -> None:

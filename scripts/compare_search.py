@@ -51,9 +51,9 @@ def summarise(sampler: str, wall_s: float, args: argparse.Namespace) -> dict[str
         "sampler": sampler, "trials": len(rows), "feasible": sum(r.feasible for r in rows), "wall_s": wall_s,
         "weight_loads": loads, "weight_load_s": load_s,
         "pick": pick.label() if pick else None, "pick_trial": pick.number if pick else None,
-        "single_tok_s": pick.single if pick else None, "aggregate_tok_s": pick.aggregate if pick else None,
+        "single_tok_s": pick.single if pick else None, "aggregate_tok_s": pick.second if pick else None,
         "baseline_single_tok_s": baseline.single if baseline else None,
-        "baseline_aggregate_tok_s": baseline.aggregate if baseline else None,
+        "baseline_aggregate_tok_s": baseline.second if baseline else None,
     }
 
 

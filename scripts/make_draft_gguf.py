@@ -50,7 +50,7 @@ def truncate(source: Path, out: Path, layers: int) -> int:
         if field.name == gguf.Keys.General.NAME:
             value = f"{value} (first {layers} of {total} blocks)"
         writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
-    kept = [t for t in reader.tensors if (block_of(t.name) is None or block_of(t.name) < layers)]
+    kept = [t for t in reader.tensors if (block := block_of(t.name)) is None or block < layers]
     for tensor in kept:
         writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
                                tensor.tensor_type)

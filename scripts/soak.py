@@ -624,6 +624,7 @@ class Soak:
                         await asyncio.sleep(0.25)
                 new_pids = self.app.replica_pids()
                 if t_recovered is not None:
+                    assert t_health is not None  # a probe completion is only sent once /health said 200
                     self.log(f"  probe completion ok {t_recovered - t_kill:.1f} s after the kill (/health 200 after "
                              f"{t_health - t_kill:.1f} s); replica pids {old_pids} -> {new_pids}")
                     await asyncio.sleep(a.kill_after_s)
@@ -845,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     _watchdog(args.max_total_s)
     args.out.mkdir(parents=True, exist_ok=True)
     app = LoopbackApp(args.app_args, port=args.port, log_copy_dir=args.out)
-    meta = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
+    meta: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
             "machine": machine_info(), "command": " ".join(["python", "scripts/soak.py", *(argv or sys.argv[1:])]),
             "app_args": app.app_args}
     t0 = time.monotonic()

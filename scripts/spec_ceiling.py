@@ -59,7 +59,9 @@ def row_costs(config: EngineConfig, depth: int, most: int) -> dict[int, float]:
     token = [(3 + 7 * j) % (vocab - 10) + 5 for j in range(most + 3)]
     try:
         timed_decode(ctx, [(17 + 31 * i) % (vocab - 10) + 5 for i in range(depth)], 0)
-        one, verify, after = [], {k: [] for k in range(2, most + 1)}, {k: [] for k in range(2, most + 1)}
+        one: list[float] = []
+        verify: dict[int, list[float]] = {k: [] for k in range(2, most + 1)}
+        after: dict[int, list[float]] = {k: [] for k in range(2, most + 1)}
         for r in range(REPEATS + 1):
             for k in verify if r % 2 else reversed(verify):
                 timed_decode(ctx, token[:1], depth)
