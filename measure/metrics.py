@@ -201,6 +201,20 @@ class RoundFigures:
 RATIO_KEYS = ("aggregate_tok_s", "decode_tok_s", "ttft_ms", "itl_ms_p50", "itl_ms_p95")
 
 
+def paired_ratios(ours: Sequence[RoundFigures], reference: Sequence[RoundFigures]) -> dict[str, float | None]:
+    """The median over rounds of ours[i] / reference[i]: each round against the reference round run beside it
+    (the workload interleaves targets), so drift that moves both cancels, where a ratio of medians keeps it
+    (on a noisy machine one fast reference round can move that by 5%)."""
+    if len(ours) != len(reference):
+        raise ValueError(f"{len(ours)} rounds against {len(reference)}: pair rounds of one interleaved run")
+    out: dict[str, float | None] = {}
+    for key in RATIO_KEYS:
+        pairs = [(getattr(a, key), getattr(b, key)) for a, b in zip(ours, reference, strict=True)]
+        each = [a / b for a, b in pairs if a is not None and b]
+        out[key] = statistics.median(each) if each else None
+    return out
+
+
 def ratios(ours: RoundFigures, reference: RoundFigures) -> dict[str, float | None]:
     """ours / reference for the headline figures (throughput: > 1 is better; latency: < 1 is better)."""
     out: dict[str, float | None] = {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
 from measure import serve_app  # noqa: E402
-from measure.metrics import ratios  # noqa: E402
+from measure.metrics import RoundFigures, paired_ratios, ratios  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import HttpTarget, loaded_engine  # noqa: E402
 from measure.workload import Runner, Target, Workload  # noqa: E402
@@ -96,7 +97,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "results": {name: {str(n): level.as_dict() for n, level in levels.items()}
                         for name, levels in results.items()},
             "ratios": {name: {str(n): ratios(level.median, reference[n].median) for n, level in levels.items()}
-                       for name, levels in results.items() if name != IN_PROCESS}}
+                       for name, levels in results.items() if name != IN_PROCESS},
+            "paired_ratios": {name: {str(n): paired_ratios(level.rounds, reference[n].rounds)
+                                     for n, level in levels.items()}
+                              for name, levels in results.items() if name != IN_PROCESS}}
+
+
+def with_paired_ratios(report: dict[str, Any]) -> dict[str, Any]:
+    """A saved report with its paired ratios (worked out from its rounds when an older run lacks them)."""
+    if "paired_ratios" in report:
+        return report
+    rounds = {name: {n: [RoundFigures(**r) for r in level["rounds"]] for n, level in levels.items()}
+              for name, levels in report["results"].items()}
+    paired = {name: {n: paired_ratios(level, rounds[IN_PROCESS][n]) for n, level in levels.items()}
+              for name, levels in rounds.items() if name != IN_PROCESS}
+    return {**report, "paired_ratios": paired}
 
 
 def _named_url(text: str) -> tuple[str, str]:
@@ -107,12 +122,15 @@ def _named_url(text: str) -> tuple[str, str]:
 
 
 def table(report: dict[str, Any]) -> str:
-    lines = ["| target | streams | agg tok/s | decode tok/s | TTFT ms | agg / in-process | decode / in-process |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    """Medians, and each target over the in-process engine two ways: paired (the median of round-by-round
+    ratios) and of medians."""
+    lines = ["| target | streams | agg tok/s | decode tok/s | TTFT ms | agg / in-process: paired, of medians "
+             "| decode / in-process: paired, of medians |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, levels in report["results"].items():
         for n, level in levels.items():
-            m, r = level["median"], report["ratios"].get(name, {}).get(n)
-            agg, dec = (f"{r['aggregate_tok_s']:.3f}", f"{r['decode_tok_s']:.3f}") if r else ("1", "1")
+            m = level["median"]
+            r, p = report["ratios"].get(name, {}).get(n), report["paired_ratios"].get(name, {}).get(n)
+            agg, dec = (f"{p[k]:.3f}, {r[k]:.3f}" if r and p else "1" for k in ("aggregate_tok_s", "decode_tok_s"))
             lines.append(f"| {name} | {n} | {m['aggregate_tok_s']:.1f} | {m['decode_tok_s']:.1f} | {m['ttft_ms']:.0f} "
                          f"| {agg} | {dec} |")
     return "\n".join(lines)
@@ -131,7 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--load-timeout", type=float, default=300.0)
     p.add_argument("--json-out", type=Path)
+    p.add_argument("--from-json", type=Path, help="print the table of a saved run instead of measuring")
     args = p.parse_args(argv)
+    if args.from_json:
+        print(table(with_paired_ratios(json.loads(args.from_json.read_text()))))
+        return 0
     if not args.variant and not args.server:
         p.error("give at least one --variant or --server")
     report = asyncio.run(run(args))

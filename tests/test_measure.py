@@ -144,6 +144,20 @@ def test_ratios() -> None:
     assert r["ttft_ms"] == pytest.approx(2.0) and r["itl_ms_p50"] is None
 
 
+def test_paired_ratios_take_each_round_against_its_neighbour() -> None:
+    from measure.metrics import paired_ratios
+
+    def round_at(tok_s: float) -> RoundFigures:
+        return RoundFigures.of([StreamFigures(0.05, tok_s, 100, None, None, ())], 100 / tok_s, 100)
+
+    ours = [round_at(x) for x in (90, 45, 180)]
+    reference = [round_at(x) for x in (100, 50, 200)]  # the machine's speed drifted; every pair is 0.9
+    assert paired_ratios(ours, reference)["aggregate_tok_s"] == pytest.approx(0.9)
+    assert paired_ratios(ours, reference)["itl_ms_p50"] is None
+    with pytest.raises(ValueError):
+        paired_ratios(ours[:2], reference)
+
+
 @pytest.mark.parametrize(("q", "expected"), [(0, 1.0), (50, 2.5), (95, 3.85), (100, 4.0), (25, 1.75)])
 def test_percentile_matches_linear_interpolation(q: float, expected: float) -> None:
     assert percentile([4.0, 1.0, 3.0, 2.0], q) == pytest.approx(expected)
