@@ -107,8 +107,8 @@ def stream_interval_ms(setting: float | Literal["auto"], config: EngineConfig, g
                        ) -> float:
     """The interval a replica paces its streams by. `auto` paces harder where the model decodes on the CPU
     with a thread on every core: there every event's Python work (the replica, Serve's hops, the client)
-    preempts a decode thread and stalls the others at llama.cpp's barriers, which measured 0.86x of the
-    in-process engine for one stream at 50 ms against 0.95-0.97x at 200 ms (docs/performance.md)."""
+    preempts a decode thread and stalls the others at llama.cpp's barriers: one stream measured 0.86-0.90x
+    of the in-process engine at 50 ms against 0.96-0.97x at 200 ms (paired rounds, docs/performance.md)."""
     if setting != "auto":
         return setting
     on_cpu = config.n_gpu_layers == 0 or not gpu_offload

@@ -14,6 +14,7 @@ needs llama.cpp goes through here. `numpy_was_first` is kept for diagnosis.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import random
 import sys
@@ -149,8 +150,10 @@ class LlamaModel:
             self.ptr = None
 
 
+@functools.cache
 def gpu_offload_supported() -> bool:
-    """Whether this llama.cpp build can put layers on a GPU (llama.h: `bool llama_supports_gpu_offload(void)`)."""
+    """Whether this llama.cpp build can put layers on a GPU (llama.h: `bool llama_supports_gpu_offload(void)`);
+    a property of the build, asked once (streams ask it for their pacing)."""
     return bool(ll.llama_supports_gpu_offload())
 
 
