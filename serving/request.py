@@ -145,6 +145,7 @@ class RequestHandle:
         self._chunks: queue.SimpleQueue[GenerationChunk] = queue.SimpleQueue()
         self._wake_engine = wake_engine
         self._done = False
+        self._waiting = False  # the reader waits for the next chunk, not just for the last (see push)
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
             self._ready: asyncio.Event | None = asyncio.Event()
@@ -156,13 +157,22 @@ class RequestHandle:
     def push(self, chunk: GenerationChunk) -> bool:
         """Called from the engine thread. False when the reader's event loop is gone: nobody will read on.
 
+        The reader's loop is woken only when the reader waits for this chunk: always for the last, and for
+        any other only while the reader waits for the next chunk. A paced reader sleeping out its interval
+        is not woken once per token: each wake is a cross-thread call and a turn of the replica's event loop
+        that, where every core decodes, preempts a decode thread (docs/performance.md). No wake is lost:
+        the reader raises `_waiting` before it looks at the queue, and this reads it after queueing.
+
         The loop can close between any check and the call, so the call itself is what is guarded.
         """
         self._chunks.put(chunk)
         if self._loop is None or self._ready is None:
             return True
+        last = chunk.finish_reason is not None
+        if not last and not self._waiting:
+            return not self._loop.is_closed()
         try:
-            self._loop.call_soon_threadsafe(self._wake_reader, chunk.finish_reason is not None)
+            self._loop.call_soon_threadsafe(self._wake_reader, last)
         except RuntimeError:  # "Event loop is closed"
             return False
         return True
@@ -227,8 +237,10 @@ class RequestHandle:
         if self._ready is None:
             raise RuntimeError("this handle was created outside an event loop; iterate it synchronously")
         while True:
+            self._waiting = True  # before looking: a chunk queued from here on wakes this reader
             chunk = self._drain(merge)
             if chunk is not None:
+                self._waiting = False
                 self._done = chunk.finish_reason is not None
                 return chunk
             await self._ready.wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 from serving.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams, Usage, paced
 
@@ -124,3 +125,28 @@ def test_the_interval_starts_at_the_first_chunk_with_text() -> None:
 
     chunks = asyncio.run(main())
     assert "".join(c.text for c in chunks) == "<2><3>" and [t for c in chunks for t in c.token_ids] == [0, 1, 2, 3]
+
+
+def test_a_reader_sleeping_out_its_interval_is_not_woken_per_token() -> None:
+    """Tokens queued while a paced reader sleeps out its interval do not each wake its event loop (a
+    cross-thread call and a loop turn per token, on the replica's busy cores); the last one does."""
+    async def main() -> tuple[list[GenerationChunk], list[tuple[object, ...]]]:
+        loop = asyncio.get_running_loop()
+        wakes: list[tuple[object, ...]] = []
+        real = loop.call_soon_threadsafe
+
+        def counting(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            wakes.append(args)
+            return real(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        handle = _handle()
+        thread = _push_tokens(handle, 20, 0.005)
+        chunks = [chunk async for chunk in paced(handle, lambda: 5.0)]
+        thread.join()
+        return chunks, wakes
+
+    chunks, wakes = asyncio.run(main())
+    assert [t for c in chunks for t in c.token_ids] == list(range(20))
+    assert len(wakes) <= 2  # the first token (the reader waits for it) and the last, not one per token
+    assert wakes[-1] == (True,)  # the last chunk wakes the reader: the end is never held
