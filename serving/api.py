@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -36,13 +36,15 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
+        self.details = details or {}  # more fields for the error object (llama-server's, e.g. n_ctx)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.details}}
 
 
 class ErrorDetail(BaseModel):
@@ -186,6 +188,19 @@ class _SamplingFields(_RequestBody):
     grammar: Text | None = Field(None, description="llama-server's raw GBNF grammar (root rule 'root')")
     json_schema: dict[str, Any] | None = Field(None, description="llama-server's: constrain to this JSON schema")
     response_format: ResponseFormat | None = None
+    n_predict: int | None = Field(None, ge=-1, le=INT32_MAX, description="llama-server's name for max_tokens; "
+                                  "-1 = until the slot's context is full")
+
+    @model_validator(mode="after")
+    def _llama_server_max_tokens_name(self) -> Self:
+        """`n_predict` (llama-server's name) sets max_tokens; both at once would leave one of them ignored."""
+        if self.n_predict is not None:
+            if self.n_predict == 0:
+                raise ValueError("n_predict must be -1 (until the slot's context is full) or at least 1")
+            if self.max_tokens is not None:
+                raise ValueError("send one of max_tokens and n_predict, not both")
+            self.max_tokens = None if self.n_predict < 0 else self.n_predict
+        return self
 
     def constraint_grammar(self) -> str | None:
         """The grammar that `grammar`, `json_schema` or `response_format` ask for (at most one of them)."""

@@ -359,7 +359,8 @@ class LlamaServer(OpenAIRoutes):
         engine = self.ready_engine()
         config = engine.config
         return {
-            "default_generation_settings": {"n_ctx": engine.n_ctx_slot, "params": asdict(SamplingParams())},
+            "default_generation_settings": {"n_ctx": engine.n_ctx_slot,
+                                            "params": {**asdict(SamplingParams()), "seed": config.seed}},
             "total_slots": config.n_parallel, "model_path": str(config.model_path), "model_alias": config.served_name,
             "chat_template": engine.chat_template.source, "n_vocab": engine.n_vocab, "n_ctx_train": engine.n_ctx_train,
             "config": config.to_yaml_dict(), "build_info": f"llama-cpp-python {_llama.BINDINGS_VERSION}",

@@ -16,7 +16,8 @@ class PromptTooLongError(ValueError):
     def __init__(self, n_prompt: int, n_requested: int, n_ctx_slot: int) -> None:
         self.n_prompt, self.n_requested, self.n_ctx_slot = n_prompt, n_requested, n_ctx_slot
         super().__init__(
-            f"This model's maximum context length per slot is {n_ctx_slot} tokens. However, you requested "
+            f"The request exceeds the available context size: this model's maximum context length per slot is "
+            f"{n_ctx_slot} tokens. However, you requested "
             f"{n_prompt + n_requested} tokens ({n_prompt} in the prompt, {n_requested} for the completion). "
             "Shorten the prompt or max_tokens, or serve with a larger n_ctx (or fewer n_parallel slots)."
         )

@@ -367,6 +367,7 @@ class OpenAIRoutes:
         yield self.ready_engine()
 
     @api.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    @api.post("/chat/completions", responses=ERROR_RESPONSES, include_in_schema=False)  # llama-server's alias
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         async with self.engine_turn() as engine:
             job = await self._chat_job(engine, body, request)
@@ -485,6 +486,7 @@ class OpenAIRoutes:
             raise APIError(400, str(exc), param="tokens") from exc
 
     @api.get("/v1/models", responses=ERROR_RESPONSES)
+    @api.get("/models", responses=ERROR_RESPONSES, include_in_schema=False)  # llama-server's alias
     async def models(self) -> dict[str, Any]:
         engine = self.ready_engine()
         return {"object": "list", "data": [{
@@ -524,7 +526,8 @@ class OpenAIRoutes:
         try:
             return engine.submit_choices(tokens, params, n)
         except PromptTooLongError as exc:
-            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from exc
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded",  # llama-server's numbers:
+                           details={"n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx_slot}) from exc
         except QueueFullError as exc:
             self.metrics.record_rejected("queue_full")
             raise APIError(503, f"the server is at capacity ({exc.queued} requests waiting); retry in "

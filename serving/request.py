@@ -83,6 +83,7 @@ class Usage:
     cached_tokens: int = 0
     ttft_s: float | None = None
     decode_s: float = 0.0
+    queue_s: float | None = None  # from arrival until a slot took it (the rest of the TTFT is the prefill)
 
     @property
     def decode_tok_s(self) -> float | None:

@@ -140,7 +140,9 @@ def total_usage(choices: list[ChoiceState], prompts: int) -> Usage:
                  completion_tokens=sum((c.usage or Usage()).completion_tokens for c in choices),
                  cached_tokens=sum(u.cached_tokens for u in firsts),
                  ttft_s=min((c.usage.ttft_s for c in choices if c.usage and c.usage.ttft_s), default=None),
-                 decode_s=max(((c.usage.decode_s if c.usage else 0.0) for c in choices), default=0.0))
+                 decode_s=max(((c.usage.decode_s if c.usage else 0.0) for c in choices), default=0.0),
+                 queue_s=min((c.usage.queue_s for c in choices if c.usage and c.usage.queue_s is not None),
+                             default=None))
 
 
 class ChatResponse:
@@ -185,7 +187,7 @@ class ChatResponse:
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {**self._envelope("chat.completion.chunk", []), "usage": usage_dict(usage)}
+        return {**self._envelope("chat.completion.chunk", []), "usage": usage_dict(usage), "timings": _timings(usage)}
 
     def whole(self, choices: list[ChoiceState], usage: Usage) -> dict[str, Any]:
         bodies = []
@@ -239,7 +241,7 @@ class CompletionResponse:
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {**self._envelope([]), "usage": usage_dict(usage)}
+        return {**self._envelope([]), "usage": usage_dict(usage), "timings": _timings(usage)}
 
     def whole(self, choices: list[ChoiceState], usage: Usage, echoes: list[str]) -> dict[str, Any]:
         bodies = []
@@ -254,9 +256,28 @@ class CompletionResponse:
 
 
 def _timings(usage: Usage) -> dict[str, Any]:
-    """llama-server's extra: time to first token and decode speed."""
-    return {"ttft_ms": None if usage.ttft_s is None else usage.ttft_s * 1e3,
-            "predicted_per_second": usage.decode_tok_s}
+    """llama-server's `timings` object, plus the time to first token (queueing included).
+
+    Prompt figures count the tokens evaluated (not served from a slot's cache) over the time from a slot
+    taking the request to its first token; predicted figures, the tokens after the first over the time they
+    took (as `timings.predicted_per_second` does in llama-server). A figure with nothing to divide is null.
+    """
+    ttft, queue = usage.ttft_s, usage.queue_s or 0.0
+    prompt_n = usage.prompt_tokens - usage.cached_tokens
+    prompt_s = max(ttft - queue, 0.0) if ttft is not None else None
+    decoded = usage.completion_tokens - 1
+    return {
+        "ttft_ms": None if ttft is None else ttft * 1e3,
+        "cache_n": usage.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": None if prompt_s is None else prompt_s * 1e3,
+        "prompt_per_token_ms": prompt_s * 1e3 / prompt_n if prompt_s is not None and prompt_n > 0 else None,
+        "prompt_per_second": prompt_n / prompt_s if prompt_s else None,
+        "predicted_n": usage.completion_tokens,
+        "predicted_ms": usage.decode_s * 1e3,
+        "predicted_per_token_ms": usage.decode_s * 1e3 / decoded if decoded > 0 and usage.decode_s > 0 else None,
+        "predicted_per_second": usage.decode_tok_s,
+    }
 
 
 class ResponsesAnswer:

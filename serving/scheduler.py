@@ -428,7 +428,8 @@ class Scheduler:
         slot.request = request
         slot.pending = prompt[reuse:] if slot.leader is None else []  # a clone gets the leader's cells
         slot.next_token, slot.logits_row = None, -1
-        slot.usage = Usage(prompt_tokens=len(prompt), cached_tokens=reuse if slot.leader is None else 0)
+        slot.usage = Usage(prompt_tokens=len(prompt), cached_tokens=reuse if slot.leader is None else 0,
+                           queue_s=max(self._clock() - request.arrival, 0.0))
         room = self._ctx.n_ctx_seq - len(prompt)
         slot.limit = min(params.max_tokens, room) if params.max_tokens else room
         slot.sampler = None

@@ -331,6 +331,8 @@ BAD_REQUESTS = [
     ("top_p zero", COMP, {"prompt": "x", "top_p": 0}, 400, None),
     ("n above the slots", COMP, {"prompt": "x", "n": 300}, 400, None),
     ("unimplemented field", COMP, {"prompt": "x", "frobnicate": [1]}, 400, "unsupported_parameter"),
+    ("n_predict zero", COMP, {"prompt": "x", "n_predict": 0}, 400, None),
+    ("n_predict and max_tokens both", CHAT, {"messages": MSG, "n_predict": 3, "max_tokens": 4}, 400, None),
     ("logit_bias key not a token id", COMP, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, None),
     ("bad json schema", CHAT, {"messages": [{"role": "user", "content": "x"}],
                                "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}, 400, None),
@@ -403,6 +405,37 @@ def test_odd_but_valid_requests_are_served(serve_url: str, name: str, path: str,
     resp = _send(serve_url, path, {**body, "max_tokens": body.get("max_tokens") or 4})
     assert resp.status_code == 200, resp.text
     assert_generated(resp.json())
+
+
+def test_what_llama_server_clients_send_and_read(serve_url: str) -> None:
+    """llama-server's names: the /chat/completions and /models aliases, n_predict for max_tokens, its
+    `timings` object (also on a stream's usage chunk), its numbers on a context overflow, the seed in /props."""
+    whole = httpx.post(f"{serve_url}/chat/completions", json={"messages": MSG, "n_predict": 5, "temperature": 0,
+                                                              "ignore_eos": True}, timeout=60)
+    assert whole.status_code == 200, whole.text
+    body = assert_generated(whole.json())
+    assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+    t = body["timings"]
+    assert t["predicted_n"] == 5 and t["cache_n"] + t["prompt_n"] == body["usage"]["prompt_tokens"]
+    assert 0 < t["prompt_ms"] <= t["ttft_ms"] and t["predicted_ms"] > 0 and t["predicted_per_second"] > 0
+    with httpx.stream("POST", f"{serve_url}/v1/completions", timeout=60, json={
+            "prompt": "Hello", "n_predict": 3, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as resp:
+        events = sse_events(resp.iter_lines())
+    assert_stream_finished(events[:-1])
+    assert events[-1]["usage"]["completion_tokens"] == 3 and events[-1]["timings"]["predicted_n"] == 3
+    unlimited = httpx.post(f"{serve_url}/v1/completions", json={"prompt": "word " * 1000, "n_predict": -1},
+                           timeout=60)  # -1: until the slot is full (here the prompt nearly fills it)
+    assert unlimited.status_code == 200 and assert_generated(unlimited.json())["choices"][0]["finish_reason"]
+    models = httpx.get(f"{serve_url}/models", timeout=30)
+    assert models.status_code == 200 and models.json() == httpx.get(f"{serve_url}/v1/models", timeout=30).json()
+    over = httpx.post(f"{serve_url}/v1/completions", json={"prompt": "word " * 3000}, timeout=60)
+    err = over.json()["error"]
+    assert over.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert "exceeds the available context size" in err["message"]
+    assert err["n_ctx"] == 1024 and err["n_prompt_tokens"] > 1024
+    props = httpx.get(f"{serve_url}/props", timeout=30).json()
+    assert isinstance(props["default_generation_settings"]["params"]["seed"], int)
 
 
 def test_wrong_method_is_a_json_405(serve_url: str) -> None:
