@@ -107,11 +107,17 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
                                    headers=dict(exc.headers) if exc.headers else None))
 
 
-def api_key_matches(authorization: str | None, key: str) -> bool:
-    """`Authorization: Bearer <key>`, compared in constant time: both sides are hashed first, so neither
+def api_key_matches(authorization: str | None, key: str, x_api_key: str | None = None) -> bool:
+    """`Authorization: Bearer <key>`, or llama-server's `X-Api-Key: <key>` when no Authorization header
+    came (as llama-server reads them), compared in constant time: both sides are hashed first, so neither
     the content nor the length of the key shows in how long a wrong guess takes to reject."""
-    scheme, _, token = (authorization or "").strip().partition(" ")
-    if scheme.lower() != "bearer":
+    if authorization is None:
+        token = x_api_key
+    else:
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+    if token is None:
         return False
     try:
         given = token.strip().encode("latin-1")  # header values arrive latin-1 decoded: the raw bytes
@@ -121,7 +127,7 @@ def api_key_matches(authorization: str | None, key: str) -> bool:
 
 
 def _unauthorized() -> APIError:
-    return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+    return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'X-Api-Key: <key>')",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -144,7 +150,8 @@ def refusal_of(scope: Scope, key: str | None) -> APIError | None:
     length = headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
         return too_large()
-    if key and route_path(scope) not in PUBLIC_PATHS and not api_key_matches(headers.get("authorization"), key):
+    if key and route_path(scope) not in PUBLIC_PATHS and not api_key_matches(headers.get("authorization"), key,
+                                                                             headers.get("x-api-key")):
         return _unauthorized()
     return None
 

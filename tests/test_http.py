@@ -477,8 +477,10 @@ def test_api_key_is_enforced_when_set(ray_session: None, serve_url: str) -> None
             assert denied.status_code == 401, denied.text  # before the body is even read
             assert denied.json()["error"]["code"] == "invalid_api_key"
             assert denied.headers["www-authenticate"] == "Bearer"
-        for scheme in ("Bearer", "bearer"):
-            right = post(Authorization=f"{scheme} sekrit")
+        for denied in (post(**{"X-Api-Key": "nope"}), post(Authorization="Bearer nope", **{"X-Api-Key": "sekrit"})):
+            assert denied.status_code == 401, denied.text  # llama-server's header, read only without Authorization
+        for right in (post(Authorization="Bearer sekrit"), post(Authorization="bearer sekrit"),
+                      post(**{"X-Api-Key": "sekrit"})):
             assert right.status_code == 200 and assert_generated(right.json())
         assert httpx.get(f"{base}/openapi.json", timeout=30).status_code == 200
         # CORS (cors_origins): a browser's preflight from the allowed origin is answered without a key; the
@@ -724,6 +726,8 @@ def test_api_key_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) ->
     for header in (None, "", "sekrit", "Basic sekrit", "Bearer", "Bearer \u0100sekrit"):
         assert not routes.api_key_matches(header, "sekrit")
     assert routes.api_key_matches("Bearer " + "ключ".encode().decode("latin-1"), "ключ")  # raw UTF-8 bytes
+    assert routes.api_key_matches(None, "sekrit", " sekrit") and not routes.api_key_matches(None, "sekrit", "sekri")
+    assert not routes.api_key_matches("Bearer nope", "sekrit", "sekrit")  # X-Api-Key only without Authorization
 
 
 def test_scripted_chunked_body_over_the_limit_is_a_json_413(scripted: Any) -> None:
