@@ -7,7 +7,9 @@ that say what to change; the engine trusts a validated config.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import os
 from enum import Enum
 from pathlib import Path
@@ -213,6 +215,12 @@ class EngineConfig(BaseModel):
     def to_yaml_dict(self) -> dict[str, Any]:
         """Plain values for YAML: enums as strings, paths as strings, unset fields left out."""
         return self.model_dump(mode="json", exclude_none=True)
+
+    def fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint`: names the backend configuration an answer came from, so a client
+        sees when the tuner (or an operator) switched the live config between two of its requests."""
+        settings = json.dumps(self.to_yaml_dict(), sort_keys=True, separators=(",", ":"))
+        return "fp_" + hashlib.sha256(settings.encode()).hexdigest()[:10]
 
 
 def _pad(value: int, multiple: int) -> int:

@@ -394,7 +394,9 @@ class OpenAIRoutes:
         thinking_open = reasoning and prompt.rstrip().endswith(THINK_START)
         states = [ChoiceState(i, reasoning=reasoning, thinking_open=thinking_open, tools=plan.parse)
                   for i in range(len(handles))]
-        return Job(handles, states, ChatResponse(engine.config.served_name, engine.token_piece, body.logprobs))
+        config = engine.config
+        response = ChatResponse(config.served_name, engine.token_piece, body.logprobs, config.fingerprint())
+        return Job(handles, states, response)
 
     @api.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
@@ -420,7 +422,8 @@ class OpenAIRoutes:
         if body.echo:
             texts = [p if isinstance(p, str) else engine.detokenize(p) for p in prompts]
             echoes = [texts[i // body.n] for i in range(len(handles))]
-        response = CompletionResponse(engine.config.served_name, engine.token_piece, body.logprobs is not None)
+        response = CompletionResponse(engine.config.served_name, engine.token_piece, body.logprobs is not None,
+                                      engine.config.fingerprint())
         return Job(handles, [ChoiceState(i) for i in range(len(handles))], response, len(prompts), echoes)
 
     @api.post("/v1/responses", responses=ERROR_RESPONSES)

@@ -150,14 +150,14 @@ class ChatResponse:
 
     object = "chat.completion"
 
-    def __init__(self, model: str, piece: Piece, logprobs: bool) -> None:
-        self.model, self.piece, self.want_logprobs = model, piece, logprobs
+    def __init__(self, model: str, piece: Piece, logprobs: bool, fingerprint: str | None = None) -> None:
+        self.model, self.piece, self.want_logprobs, self.fingerprint = model, piece, logprobs, fingerprint
         self.id = new_id("chatcmpl")
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices}
+                "system_fingerprint": self.fingerprint, "choices": choices}
 
     def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any = None,
                reason: str | None = None) -> dict[str, Any]:
@@ -211,15 +211,15 @@ class CompletionResponse:
 
     object = "text_completion"
 
-    def __init__(self, model: str, piece: Piece, logprobs: bool) -> None:
-        self.model, self.piece, self.want_logprobs = model, piece, logprobs
+    def __init__(self, model: str, piece: Piece, logprobs: bool, fingerprint: str | None = None) -> None:
+        self.model, self.piece, self.want_logprobs, self.fingerprint = model, piece, logprobs, fingerprint
         self.id = new_id("cmpl")
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices}
+                "system_fingerprint": self.fingerprint, "choices": choices}
 
     def opening(self, index: int, echo: str = "") -> dict[str, Any] | None:
         self._offsets[index] = len(echo)

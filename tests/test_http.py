@@ -438,6 +438,22 @@ def test_what_llama_server_clients_send_and_read(serve_url: str) -> None:
     assert isinstance(props["default_generation_settings"]["params"]["seed"], int)
 
 
+def test_system_fingerprint_names_the_running_config(serve_url: str) -> None:
+    """Every answer, whole or streamed, carries the fingerprint of the engine config that produced it; another
+    config has another (a live switch shows in the answers)."""
+    from serving.config import EngineConfig
+
+    running = EngineConfig.model_validate(httpx.get(f"{serve_url}/props", timeout=30).json()["config"])
+    whole = httpx.post(f"{serve_url}{CHAT}", json={"messages": MSG, "max_tokens": 2}, timeout=60).json()
+    assert assert_generated(whole)["system_fingerprint"] == running.fingerprint()
+    with httpx.stream("POST", f"{serve_url}{COMP}", timeout=60, json={"prompt": "Hi", "max_tokens": 2,
+                                                                        "stream": True}) as resp:
+        events = sse_events(resp.iter_lines())
+    assert_stream_finished(events)
+    assert {e["system_fingerprint"] for e in events} == {running.fingerprint()}
+    assert running.model_copy(update={"n_batch": running.n_batch // 2}).fingerprint() != running.fingerprint()
+
+
 def test_wrong_method_is_a_json_405(serve_url: str) -> None:
     resp = httpx.get(f"{serve_url}/v1/completions", timeout=30)
     assert resp.status_code == 405 and resp.json()["error"]["code"] == "method_not_allowed"
