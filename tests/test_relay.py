@@ -79,15 +79,20 @@ def test_a_stream_comes_in_runs_and_ends() -> None:
     assert [p.more for p in parts] == [True] * (len(parts) - 1) + [False]
 
 
-def test_an_interval_groups_a_streams_events_and_keeps_its_bytes() -> None:
+def _trickling(path: str, events: int) -> Starlette:
+    """An app whose `path` streams `events` SSE events, `data: 0` ..., 10 ms apart."""
     async def trickle(_: Request) -> Response:
         async def gen() -> AsyncIterator[str]:
-            for i in range(10):
+            for i in range(events):
                 await asyncio.sleep(0.01)
                 yield f"data: {i}\n\n"
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    app = Starlette(routes=[Route("/trickle", trickle)])
+    return Starlette(routes=[Route(path, trickle)])
+
+
+def test_an_interval_groups_a_streams_events_and_keeps_its_bytes() -> None:
+    app = _trickling("/trickle", 10)
     plain = asyncio.run(_all(run_relayed(app, _request("/trickle", method="GET"))))
     grouped = asyncio.run(_all(run_relayed(app, _request("/trickle", method="GET"), spacing=lambda: 0.05)))
     assert b"".join(p.body for p in grouped) == b"".join(p.body for p in plain)
@@ -98,15 +103,8 @@ def test_an_interval_groups_a_streams_events_and_keeps_its_bytes() -> None:
 
 def test_the_end_of_a_stream_is_not_held_for_the_interval() -> None:
     """A stream that ends while the relay waits out a long interval goes at once, its end included."""
-    async def short(_: Request) -> Response:
-        async def gen() -> AsyncIterator[str]:
-            for i in range(4):
-                await asyncio.sleep(0.01)
-                yield f"data: {i}\n\n"
-        return StreamingResponse(gen(), media_type="text/event-stream")
-
     async def timed() -> tuple[list[RelayedPart], float]:
-        app = Starlette(routes=[Route("/short", short)])
+        app = _trickling("/short", 4)
         start = time.monotonic()
         parts = await _all(run_relayed(app, _request("/short", method="GET"), spacing=lambda: 5.0))
         return parts, time.monotonic() - start
