@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
+import importlib
 import json
 import os
 import subprocess
@@ -172,12 +173,16 @@ def response_problem(status: int, content_type: str, text: str, declared: set[st
     return None
 
 
-if __name__ != "__main__":  # loaded by schemathesis as its hooks module
+def _schemathesis() -> Any:
+    """schemathesis, or None where the `soak` extra is not installed (the unit tests import this file)."""
     try:
-        import schemathesis
-    except ImportError:  # imported by the unit tests without schemathesis installed
-        schemathesis = None  # type: ignore[assignment]
+        return importlib.import_module("schemathesis")
+    except ImportError:
+        return None
 
+
+if __name__ != "__main__":  # loaded by schemathesis as its hooks module
+    schemathesis = _schemathesis()
     if schemathesis is not None and os.environ.get(CAP_ENV):
         _CAP = int(os.environ[CAP_ENV])
         _DROP = [f for f in os.environ.get(DROP_ENV, "").split(",") if f]
@@ -350,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     from soak import git_commit, machine_info  # the same provenance fields as the soak's summary
 
     args = parse_args(argv)
+    schemathesis = _schemathesis()
+    if schemathesis is None:
+        print("error: the fuzz needs schemathesis: pip install -e '.[soak]'", file=sys.stderr)
+        return 2
     out = args.out.resolve()
     report_dir = out / "schemathesis"
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -360,8 +369,6 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "scripts/fuzz_api.py", *(argv or sys.argv[1:])]),
         "dropped_fields": args.drop_fields or None, "max_tokens_cap": args.max_tokens_cap,
     }
-    import schemathesis
-
     doc["schemathesis_version"] = schemathesis.SCHEMATHESIS_VERSION
     app = LoopbackApp(args.app_args, port=args.port, log_copy_dir=out)
     har_path = report_dir / "requests.har"

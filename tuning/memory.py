@@ -68,10 +68,8 @@ class ModelShape:
     @classmethod
     def from_gguf(cls, path: Path) -> ModelShape:
         """Read the header (tensor data is memory-mapped, not read)."""
-        try:
-            from gguf import GGUFReader
-        except ImportError as exc:  # pragma: no cover - gguf is a declared dependency
-            raise RuntimeError("the memory model needs the `gguf` package: pip install gguf") from exc
+        from gguf import GGUFReader  # a base dependency, imported here: it loads numpy, which the CLI's help needs not
+
         if not path.is_file():
             raise FileNotFoundError(f"model file {path} does not exist: pass --model PATH to a GGUF file")
         reader = GGUFReader(str(path))
