@@ -27,8 +27,9 @@ The verdict is cached as JSON under $LLAMA_SERVE_TUNE_CACHE_DIR, else $XDG_CACHE
 the libllama/libggml files (path, size, mtime): a new CPU, kernel or llama.cpp build probes again.
 `python -m serving.repack` prints the verdict (`--again` re-probes).
 
-Only weights on the CPU are affected: layers offloaded to a GPU never use these buffer types. The probe still
-runs on GPU builds (on the CPU), because a GPU config can end up on the CPU (no device visible).
+Only weights on the CPU are affected: layers offloaded to a GPU never use these buffer types. So `auto` with
+every layer on a GPU (n_gpu_layers -1 and a GPU visible to llama.cpp) needs no probe; a GPU build that sees no
+device, or a config keeping layers on the CPU, is probed.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def use_extra_bufts(config: EngineConfig) -> bool:
         return True
     if config.cpu_repack is CpuRepack.off:
         return False
+    from serving.llama import gpu_offload_supported
+
+    if config.n_gpu_layers < 0 and gpu_offload_supported():
+        return True  # every layer on a GPU: no CPU weights to re-lay, nothing to probe or warn about
     verdict = probe_verdict()
     if not verdict.safe:
         log.warning("CPU weight repack is OFF: with llama.cpp's extra buffer types on, the probe child %s "
