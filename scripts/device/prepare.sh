@@ -19,3 +19,20 @@ fi
 [ -d "$DIR/bundle" ] || bash "$HERE/make-bundle.sh" "$DIR/bundle"
 [ -f "$DIR/tokenizer.gguf" ] || python3 "$HERE/../make_synthetic_gguf.py" --tokenizer-only --out "$DIR/tokenizer.gguf"
 du -sh "$DIR"/*
+
+# What one call can carry to the GPU machine is 64 MiB: this folder plus the repository's tracked and
+# untracked-but-not-ignored files. Say whether it fits, and what to drop when it does not.
+LIMIT=$((64 * 1024 * 1024))
+REPO_BYTES=$(cd "$HERE/../.." && git ls-files -z -co --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1)
+DIR_BYTES=$(du -sb "$DIR" | cut -f1)
+TOTAL=$((REPO_BYTES + DIR_BYTES))
+mib() { echo "$(( ($1 + 524288) / 1048576 )) MiB"; }
+echo "to carry: $DIR $(mib "$DIR_BYTES") + the repository $(mib "$REPO_BYTES") = $(mib "$TOTAL") of 64 MiB"
+if [ "$TOTAL" -gt "$LIMIT" ]; then
+  echo "OVER the 64 MiB one call carries, by $(mib $((TOTAL - LIMIT))). Drop from $DIR/bundle what your run does" \
+       "not import (largest first):" >&2
+  ls -S "$DIR"/bundle/*.whl | head -8 | while read -r w; do echo "  $(mib "$(stat -c %s "$w")")  $(basename "$w")" >&2; done
+  echo "or set it up in two calls made back to back (the machine stays warm ~30 s): the first carries" \
+       "$DIR/bundle and runs setup.sh, the second carries the rest." >&2
+  exit 1
+fi
