@@ -113,6 +113,7 @@ class TrialHost:
 
     async def _run_trial(self, study: str, trials: int, config: EngineConfig, measure: Measure) -> dict[str, Any]:
         async with self._lock:
+            held = time.perf_counter()
             engine = self._engine()
             current = self.study
             if current is None or current.name != study:
@@ -127,7 +128,8 @@ class TrialHost:
                 result = await asyncio.to_thread(measure, engine)
             finally:
                 current.in_trial, current.last_activity = False, self._clock()
-        return {**result, "setup_s": setup_s, "weight_loads": engine.weight_loads,
+            held_s = time.perf_counter() - held  # clients that came meanwhile waited up to this long
+        return {**result, "setup_s": setup_s, "held_s": held_s, "weight_loads": engine.weight_loads,
                 "serving_config": current.serving.to_yaml_dict()}
 
     async def _idle(self, engine: Engine) -> None:

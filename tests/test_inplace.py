@@ -31,9 +31,9 @@ def _slots(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/slots", timeout=30).json()
 
 
-def _args(tmp_path: Path, study: str, trials: int) -> list[str]:
+def _args(tmp_path: Path, study: str, trials: int, *where: str) -> list[str]:
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
-    return ["--trials", str(trials), "--in-place", "--app-name", "llama", "--space", str(tmp_path / "space.yaml"),
+    return ["--trials", str(trials), *where, "--app-name", "llama", "--space", str(tmp_path / "space.yaml"),
             "--results-dir", str(tmp_path), "--out", str(tmp_path / "tuned.yaml"), "--study-name", study,
             "--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "1024"]
 
@@ -81,7 +81,9 @@ def restored(serve_url: str) -> Iterator[EngineConfig]:
 
 @pytest.mark.timeout(600)
 def test_an_in_place_study_runs_on_the_replica_and_applies_its_pick(serve_url: str, restored: EngineConfig,
-                                                                    tmp_path: Path) -> None:
+                                                                    tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """No flag: an app is serving (one replica), so the study runs in place, as `--in-place` would."""
     import optuna
 
     from tuning.search import main
@@ -90,6 +92,10 @@ def test_an_in_place_study_runs_on_the_replica_and_applies_its_pick(serve_url: s
     with StreamingClient(serve_url) as client:  # the replica's model is the base: --model is not read in place
         assert main([*_args(tmp_path, "inplace", 3), "--model", "/nonexistent.gguf"]) == 0
     assert client.failures == [] and client.ok > 0
+    out = capsys.readouterr().out
+    plan = next(line for line in out.splitlines() if line.startswith("tuning "))
+    assert "in place on Serve app 'llama' (1 replica(s)" in plan and "Ctrl-C puts back" in plan, plan
+    assert "the first trial held its replica for" in out, out[-3000:]
 
     trials = optuna.load_study(study_name="inplace", storage=f"sqlite:///{tmp_path / 'optuna.db'}").trials
     assert len(trials) == 3 and all(t.state.name == "COMPLETE" for t in trials)
@@ -103,20 +109,17 @@ def test_an_in_place_study_runs_on_the_replica_and_applies_its_pick(serve_url: s
 
 @pytest.mark.timeout(300)
 def test_the_confirmation_round_measures_on_the_replica(serve_url: str, restored: EngineConfig) -> None:
-    from argparse import Namespace
-    from types import SimpleNamespace
-
-    from tuning.confirm import Candidate
     from tuning.inplace import ServingApp
     from tuning.objective import Workload
+    from tuning.report import Objective
     from tuning.search import confirmation_measure
 
     loads = _slots(serve_url)["weight_loads"]
-    args = Namespace(in_place_app=ServingApp("llama", 1, restored), trials=1, confirm_rounds=1, objective="aggregate")
-    settings = SimpleNamespace(workload=Workload(gen_tokens=8, repeats=1), on_gpu=False)
     config = restored.model_copy(update={"n_parallel": 2, "n_ctx": 2048})
     with StreamingClient(serve_url) as client:
-        with confirmation_measure(args, settings, "confirming", [Candidate(0, "a", config)]) as measure:
+        with confirmation_measure(app=ServingApp("llama", 1, restored), workload=Workload(gen_tokens=8, repeats=1),
+                                  on_gpu=False, study="confirming", total_trials=2,
+                                  objective=Objective.aggregate) as measure:
             speed = measure(config)
     assert speed.single > 0 and speed.second > 0
     assert client.failures == [] and _slots(serve_url)["weight_loads"] == loads
@@ -132,7 +135,7 @@ def test_ctrl_c_mid_study_restores_the_config_the_replica_served(serve_url: str,
     import ray
 
     address = ray.get_runtime_context().gcs_address
-    tuner = subprocess.Popen([sys.executable, "-m", "tuning.search", *_args(tmp_path, "interrupted", 20),
+    tuner = subprocess.Popen([sys.executable, "-m", "tuning.search", *_args(tmp_path, "interrupted", 20, "--in-place"),
                               "--ray-address", address], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                              preexec_fn=_default_sigint)  # a shell's background job would pass SIGINT ignored

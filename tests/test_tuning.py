@@ -50,12 +50,15 @@ def load_trials(tmp_path: Path) -> list:
 
 # -- the CLI end to end -----------------------------------------------------------------------------
 @pytest.mark.timeout(300)
-def test_search_runs_end_to_end_and_writes_a_loadable_config(ray_session: None, tmp_path: Path) -> None:
+def test_search_runs_end_to_end_and_writes_a_loadable_config(ray_session: None, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
     from tuning.search import main
 
-    t0 = time.monotonic()
     assert main(["--trials", "3", *tuner_args(tmp_path, SMALL_SPACE)]) == 0
-    print(f"3 trials end to end: {time.monotonic() - t0:.1f} s")
+    # the pick line, tuned.yaml's header and the report's winner say the same (the confirmed figures)
+    summary = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("pick: "))[len("pick: "):]
+    assert f"# {summary}\n" in (tmp_path / "tuned.yaml").read_text()
+    assert summary in (tmp_path / "t" / "report.md").read_text()
 
     tuned = load_engine_config(tmp_path / "tuned.yaml")
     assert tuned.n_parallel in (1, 2) and tuned.n_batch in (256, 512) and tuned.n_ubatch == 256
@@ -544,17 +547,13 @@ def test_a_proposal_the_study_already_measured_is_answered_from_it_not_run() -> 
 
 @pytest.mark.timeout(300)
 def test_offline_confirmation_measures_on_an_engine_of_its_own(ray_session: None) -> None:
-    from argparse import Namespace
-    from types import SimpleNamespace
-
-    from tuning.confirm import Candidate
     from tuning.objective import Workload
+    from tuning.report import Objective
     from tuning.search import confirmation_measure
 
-    args = Namespace(in_place_app=None, trials=1, confirm_rounds=1, objective="aggregate")
-    settings = SimpleNamespace(workload=Workload(gen_tokens=8, repeats=1), on_gpu=False)
     configs = [EngineConfig(n_parallel=1, n_ctx=1024), EngineConfig(n_parallel=2, n_ctx=2048)]
-    with confirmation_measure(args, settings, "s", [Candidate(0, "a", configs[0])]) as measure:
+    with confirmation_measure(app=None, workload=Workload(gen_tokens=8, repeats=1), on_gpu=False, study="s",
+                              total_trials=2, objective=Objective.aggregate) as measure:
         speeds = [measure(c) for c in configs]
     assert all(s.single > 0 and s.second > 0 for s in speeds)
 

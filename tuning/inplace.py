@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
+from ray.tune import Callback
 
 from serving.config import EngineConfig
 from serving.control import DEPLOYMENT_NAME
@@ -37,10 +38,13 @@ class ServingApp:
 
 
 def find_serving_app(app_name: str | None) -> ServingApp | None:
-    """The Serve app (of the connected Ray cluster) whose engine replicas a study can run on, if any."""
+    """The Serve app (of the connected Ray cluster) whose engine replicas a study can run on, if any;
+    LookupError when several could be and `app_name` does not say which."""
     from ray.serve.schema import ReplicaState
 
     apps = {name: app for name, app in serve.status().applications.items() if DEPLOYMENT_NAME in app.deployments}
+    if app_name is None and len(apps) > 1:
+        raise LookupError(f"several Serve apps run engine replicas ({', '.join(sorted(apps))}): pass --app-name")
     if app_name is None and len(apps) == 1:
         app_name = next(iter(apps))
     if app_name is None or app_name not in apps:
@@ -82,3 +86,20 @@ def replica_speed(app: str, study: str, trials: int, config: EngineConfig, measu
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
     result: dict[str, Any] = handle.tune_trial.remote(study, trials, config.to_yaml_dict(), measure).result()
     return result
+
+
+class FirstTrialNotice(Callback):
+    """Says, once, how long the first measured trial held its replica: how long client requests that arrive
+    during a trial wait, and about how long the study will take."""
+
+    def __init__(self, trials: int, replicas: int) -> None:
+        self.trials, self.replicas, self.said = trials, max(replicas, 1), False
+
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        held = result.get("held_s")
+        if self.said or not held:
+            return
+        self.said = True
+        minutes = held * self.trials / self.replicas / 60
+        print(f"the first trial held its replica for {held:.1f} s: client requests arriving during a trial wait "
+              f"up to about that long; {self.trials} trials take about {minutes:.0f} min", flush=True)

@@ -1,5 +1,5 @@
-"""OptunaSearch that stores each trial's measurements in the Optuna study before telling it the result, and
-answers from the study a proposal it already measured.
+"""OptunaSearch that stores each trial's measurements and constraints in the Optuna study before telling it the
+result, and answers from the study a proposal it already measured.
 
 Ray Tune's OptunaSearch tells Optuna only the objective values. The constraint function (memory and quality
 feasibility) and the report need the rest of what a trial measured, so it is written to the trial's user
@@ -19,6 +19,9 @@ from typing import Any
 from ray.tune.search.optuna import OptunaSearch
 
 MAX_ANSWERED = 10  # proposals answered from the study per suggestion before one runs anyway (a small space)
+# Optuna constraints (feasible when <= 0): their result keys, and the value when a trial could not say (it
+# failed, or was rejected before measuring): infeasible by far
+CONSTRAINTS = {"memory": ("constraint_mem", 1e18), "quality": ("constraint_quality", 1e9)}
 
 
 class RecordingOptunaSearch(OptunaSearch):
@@ -59,6 +62,8 @@ class RecordingOptunaSearch(OptunaSearch):
         ot_trial.set_user_attr("params", dict(params))
         ot_trial.set_user_attr("is_baseline", False)
         ot_trial.set_user_attr("answered_from", twin.number)
+        for name, value in twin.constraints.items():
+            ot_trial.set_constraint(name, value)
         study: Any = self._ot_study
         study.tell(ot_trial, twin.values)
 
@@ -70,6 +75,9 @@ class RecordingOptunaSearch(OptunaSearch):
                     ot_trial.set_user_attr(key, result[key])
             ot_trial.set_user_attr("params", _params(result))
             ot_trial.set_user_attr("is_baseline", self._first_is_baseline and ot_trial.number == 0)
+        if ot_trial is not None:  # before Optuna is told: the sampler reads them from the finished trial
+            for name, (key, missing) in CONSTRAINTS.items():
+                ot_trial.set_constraint(name, float((result or {}).get(key, missing)))
         super().on_trial_complete(trial_id, result, error)
 
 

@@ -262,7 +262,9 @@ def capacity_section(rows: list[TrialRow], plot_name: str) -> list[str]:
 
 
 def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context: dict[str, Any],
-             plot_name: str, capacity_plot: str | None = None) -> str:
+             plot_name: str, capacity_plot: str | None = None, summary: str | None = None) -> str:
+    """The report; `summary` (the tuner's pick line, with the confirmed figures) replaces the winner's line
+    drawn from the study's single measurements."""
     baseline = next((r for r in rows if r.is_baseline), None)
     front = pareto_front(rows)
     out = ["# Tuning report", ""]
@@ -270,6 +272,8 @@ def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context
     out += ["", f"![Pareto front]({plot_name})", "", "## Winner", ""]
     if winner is None:
         out.append("No feasible trial: widen the space or the budget.")
+    elif summary:
+        out.append(f"`{winner.label()}`: {summary}.")
     else:
         out += [f"Trial {winner.number} ({prefer} pick): `{winner.label()}`: {_num(winner.single)} tok/s single, "
                 f"{_num(winner.second)} {winner.objective.label}; {gain(winner, baseline)}."]

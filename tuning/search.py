@@ -8,31 +8,35 @@ context is rebuilt), and the pick is written to configs/tuned.yaml and pushed to
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
-from functools import partial
 import os
+import statistics
 import sys
 import time
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic progress table with our columns
 os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")  # Ctrl-C reaches main(): stop, and restore in place
 
-from serving import llama as _llama  # noqa: E402,F401  (load order: ray before libllama, see serving/llama.py)
-from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, load_engine_config  # noqa: E402
+# Nothing heavy at the top: `--help` and a bad flag answer at once. Ray, Optuna and the engine (whose
+# serving/llama.py loads ray before libllama) are imported where they are first needed.
 from measure.device import gpu_memory_total  # noqa: E402
+from measure.workload import Workload  # noqa: E402
+from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, load_engine_config  # noqa: E402
 from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
-from measure.workload import PromptSet  # noqa: E402
+from tuning.options import REPO_ROOT, DeviceChoice, Sampler, SearchOptions, Where, parse_options  # noqa: E402
 from tuning.report import Objective  # noqa: E402
-from tuning.objective import Workload  # noqa: E402
 from tuning.space import SearchSpace, SpaceFunction, to_engine_config  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+if TYPE_CHECKING:
+    from tuning.inplace import ServingApp
+
 ARTICLE_CONFIG = REPO_ROOT / "configs" / "article.yaml"
+DEFAULT_OUT = SearchOptions().out
 GPU_MARGIN = 1 * GiB
 
 
@@ -40,76 +44,20 @@ class UserError(Exception):
     """Bad input the user can fix; printed without a traceback, exit code 2."""
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tuning.search", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trials", type=int, default=40, help="trials to run (default 40)")
-    p.add_argument("--model", help="GGUF file (default: `model:` of --base-config, else the embedded model)")
-    p.add_argument("--base-config", type=Path, default=REPO_ROOT / "configs" / "default.yaml",
-                   help="engine config the trials start from (model, threads)")
-    p.add_argument("--space", type=Path, help="search-space YAML (default configs/search_space.yaml)")
-    p.add_argument("--vram-budget", help="memory budget, e.g. 32GiB (default: the GPU's memory minus 1 GiB; "
-                   "on CPU: half of this machine's RAM, counted as resident memory)")
-    p.add_argument("--min-ctx-per-slot", type=int, help="least context per slot (default: min(2048, the "
-                   "model's training context))")
-    p.add_argument("--max-quality-loss", type=float, default=0.01,
-                   help="allowed rise of mean NLL over the f16-cache baseline, nats/token (default 0.01, ~1%% ppl)")
-    p.add_argument("--prefer", choices=["balanced", "single", "aggregate"], default="balanced",
-                   help="how to pick from the Pareto front (default balanced: best 4-way aggregate within 5%% "
-                        "of the best single stream)")
-    p.add_argument("--confirm-rounds", type=int, default=3, help="after the search, measure the best "
-                   "--confirm-top configs and the baseline this many more times, interleaved, and pick on paired "
-                   "ratios (default 3; 0 = pick on the search's single measurements)")
-    p.add_argument("--confirm-top", type=int, default=3, help="configs of the Pareto front to confirm (default 3)")
-    p.add_argument("--objective", choices=[o.value for o in Objective], default="aggregate",
-                   help="the second objective beside single-stream tok/s: aggregate (4 streams at once, default) or "
-                        "capacity (the best aggregate at 1, 2, 4, ... up to the config's slots streams with every "
-                        "stream at least --min-stream-tok-s)")
-    p.add_argument("--min-stream-tok-s", type=float, help="per-stream floor of the capacity figure, e.g. 10 "
-                   "(a reader's pace); given, every trial also measures the capacity curve (one run per stream count)")
-    p.add_argument("--sampler", choices=["tpe", "nsga2", "random"], default="tpe")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per measured request")
-    p.add_argument("--repeats", type=int, default=3, help="measured repeats per workload (median kept)")
-    p.add_argument("--prompt-set", choices=[*(s.value for s in PromptSet), "both"], default="plain",
-                   help="the workload's prompts: plain (free writing, EOS ignored), copy (edit code, quote a text: "
-                        "where speculation's prompt lookup pays; stops at EOS), or both (the objectives on plain, "
-                        "the single stream on copy reported beside them)")
-    p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
-    p.add_argument("--storage", help="Optuna storage URL (default sqlite:///results/optuna.db)")
-    p.add_argument("--study-name", help="default: <model>-<device>-<budget>; an existing study is resumed")
-    p.add_argument("--results-dir", type=Path, default=REPO_ROOT / "results")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "configs" / "tuned.yaml", help="where the pick goes")
-    p.add_argument("--no-apply", action="store_true", help="only write --out; do not touch a running Serve app")
-    p.add_argument("--app-name", help="Serve app to apply to (default: the one running LlamaServer)")
-    p.add_argument("--in-place", action="store_true", help="run the trials on the running Serve app's engine "
-                   "replicas (needed when it has one replica: its clients then wait their turn during trials, "
-                   "or get 503 with Retry-After when too many wait); with several replicas this is the default. The "
-                   "replicas' own model and settings are the base: --model and --base-config are not used")
-    p.add_argument("--offline", action="store_true", help="run the trials on engines of the tuner's own, even "
-                   "when a Serve app is serving")
-    p.add_argument("--ray-address", help="Ray cluster to run trials on (default: the Serve app's, else start a "
-                   "local one)")
-    p.add_argument("--serve-address", default="auto", help="Ray cluster where the Serve app runs")
-    args = p.parse_args(argv)
-    if args.trials < 1:
-        p.error("--trials must be at least 1")
-    if args.repeats < 1 or args.gen_tokens < 2:
-        p.error("--repeats must be >= 1 and --gen-tokens >= 2")
-    if args.objective == Objective.capacity.value and args.min_stream_tok_s is None:
-        p.error("--objective capacity needs --min-stream-tok-s (the floor every stream must keep)")
-    if args.min_stream_tok_s is not None and args.min_stream_tok_s <= 0:
-        p.error("--min-stream-tok-s must be > 0")
-    if args.confirm_rounds < 0 or args.confirm_top < 1:
-        p.error("--confirm-rounds must be >= 0 and --confirm-top >= 1")
-    if args.in_place and args.offline:
-        p.error("--in-place and --offline exclude each other")
-    return args
+@dataclass
+class Session:
+    """What a run set up and must undo at its end: a Ray it started, and the app it tunes in place with
+    whether its replicas were given a config (else main() gives them back what they served)."""
+
+    started_ray: bool = False
+    app: ServingApp | None = None
+    settled: bool = False
 
 
-def base_config(args: argparse.Namespace) -> EngineConfig:
-    overrides = {"model": args.model} if args.model else {}
+def base_config(opts: SearchOptions) -> EngineConfig:
+    overrides = {"model": opts.model} if opts.model else {}
     try:
-        config = load_engine_config(args.base_config, overrides)
+        config = load_engine_config(opts.base_config, overrides)
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     if not config.model_path.is_file():
@@ -117,77 +65,104 @@ def base_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
-def start_ray(args: argparse.Namespace) -> tuple[int, int]:
-    """Connect to (or start) Ray; return (GPUs in the cluster, GPUs free now)."""
+def start_ray(opts: SearchOptions, session: Session) -> tuple[int, int]:
+    """Connect to (or start) Ray; return (GPUs in the cluster, GPUs free now). Unless --offline, the cluster a
+    Serve app runs in is joined when there is one; else a local Ray is started for the study."""
     import ray
 
-    args.started_ray = not ray.is_initialized()
-    if args.started_ray:
-        address = args.ray_address
-        if address is None and not args.offline:  # join the cluster a Serve app runs in, if there is one
-            try:
-                ray.init(address=args.serve_address, logging_level=logging.ERROR, log_to_driver=False)
-            except (ConnectionError, RuntimeError):
-                if args.in_place:
-                    raise UserError(f"--in-place: no running Ray cluster at {args.serve_address!r}; start the "
-                                    "app first (serve run serving.app:main)") from None
+    session.started_ray = not ray.is_initialized()
+    if session.started_ray:
+        if opts.ray_address is None and opts.where is not Where.offline:
+            _join_serving_cluster(opts.serve_address)
         if not ray.is_initialized():
-            ray.init(address=address, logging_level=logging.ERROR, include_dashboard=False)
+            if opts.where is Where.in_place:
+                raise UserError(f"--in-place: no running Ray cluster at {opts.serve_address!r}; start the app first "
+                                "(serve run serving.app:main)")
+            with _quiet_ray_logs():
+                ray.init(address=opts.ray_address, logging_level=logging.ERROR, log_to_driver=False,
+                         include_dashboard=False)
     total = int(ray.cluster_resources().get("GPU", 0))
     free = int(ray.available_resources().get("GPU", 0))
     return total, free
 
 
-def serving_app(args: argparse.Namespace) -> Any:
-    """The Serve app an in-place study runs on (tuning/inplace.py's ServingApp), or None for offline trials.
+def _join_serving_cluster(address: str) -> None:
+    """Join the running Ray cluster at `address` ("auto": the one on this machine), if there is one."""
+    import ray
 
-    Found: in place when it has several replicas or --in-place says so; with one replica and neither flag,
-    an error that names both (its clients would wait during trials: the operator decides)."""
-    from tuning.inplace import find_serving_app
+    with _quiet_ray_logs():
+        try:
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+        except (ConnectionError, RuntimeError):
+            pass
 
-    if args.offline:
-        return None
+
+@contextlib.contextmanager
+def _quiet_ray_logs() -> Iterator[None]:
+    """Ray's driver logs "Connecting to existing Ray cluster" / "Started a local Ray instance" at INFO before
+    `logging_level` takes effect: the tuner's own first line should be the first thing a user reads."""
+    logger = logging.getLogger("ray")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
     try:
-        app = find_serving_app(args.app_name)
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def serving_app(opts: SearchOptions, find: Callable[[str | None], ServingApp | None] | None = None
+                ) -> ServingApp | None:
+    """The Serve app an in-place study runs on, or None for offline trials: any app serving engine replicas in
+    the connected cluster unless --offline; --in-place or --app-name make finding none an error. `find` looks
+    the app up (default: tuning.inplace.find_serving_app, in the connected Ray cluster)."""
+    if opts.where is Where.offline:
+        return None
+    if find is None:
+        from tuning.inplace import find_serving_app  # imports ray.serve, which sets its logger to INFO
+
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its handles' "Started <router>" is no news
+        find = find_serving_app
+    try:
+        app = find(opts.app_name)
+    except LookupError as exc:  # several apps and no --app-name
+        raise UserError(str(exc)) from exc
     except Exception as exc:  # no Serve in this cluster, or its controller not answering
-        if args.in_place:
+        if opts.where is Where.in_place:
             raise UserError(f"--in-place: cannot reach a Serve app ({type(exc).__name__}: {exc})") from exc
         return None
     if app is None:
-        if args.in_place:
-            raise UserError("--in-place: no running Serve app with engine replicas; start one "
-                            "(serve run serving.app:main) or drop --in-place")
+        if opts.where is Where.in_place or opts.app_name is not None:
+            named = f"named {opts.app_name!r} " if opts.app_name else ""
+            raise UserError(f"no running Serve app {named}with engine replicas to tune in place; start one "
+                            "(serve run serving.app:main), or pass --offline")
         return None
     if app.replicas < 1:
-        raise UserError(f"Serve app {app.name!r} has no running engine replica")
-    if app.replicas == 1 and not args.in_place:
-        raise UserError(f"Serve app {app.name!r} is serving on one replica: pass --in-place to run the trials "
-                        "on it (client requests wait their turn during each trial), or --offline to run them "
-                        "on engines of the tuner's own beside it")
+        raise UserError(f"Serve app {app.name!r} has no running engine replica (starting, or failed?); retry "
+                        "when its /health answers 200, or pass --offline")
     return app
 
 
-def choose_device(args: argparse.Namespace, total: int, free: int, in_place: bool = False) -> bool:
+def choose_device(opts: SearchOptions, total: int, free: int, in_place: bool = False) -> bool:
     """True for GPU trials. A GPU cluster whose GPUs are all taken is an error, not a silent CPU run
     (unless the trials run in place, on the replicas that hold them)."""
-    if args.device == "cpu":
+    if opts.device is DeviceChoice.cpu:
         return False
     if in_place:
         return total > 0
     if total == 0:
-        if args.device == "gpu":
+        if opts.device is DeviceChoice.gpu:
             raise UserError("--device gpu, but the Ray cluster has no GPU")
         return False
     if free == 0:
         raise UserError(f"no free GPU: the cluster's {total} GPU(s) are all in use (a Serve app holding them?); "
-                        "stop it, or add GPUs, then retry")
+                        "tune in place (drop --offline), stop the app, or add GPUs")
     return True
 
 
-def budget_bytes(args: argparse.Namespace, on_gpu: bool) -> int:
-    if args.vram_budget:
+def budget_bytes(opts: SearchOptions, on_gpu: bool) -> int:
+    if opts.vram_budget:
         try:
-            return parse_bytes(args.vram_budget)
+            return parse_bytes(opts.vram_budget)
         except ValueError as exc:
             raise UserError(str(exc)) from exc
     if on_gpu:
@@ -240,30 +215,27 @@ def article_point(base: EngineConfig, space: SearchSpace, contexts: list[int]) -
     return point if valid else None
 
 
-def trial_constraints(trial: Any) -> list[float]:
-    """Optuna constraints (feasible when all <= 0), read from what the trial recorded."""
-    return [trial.user_attrs.get("constraint_mem", 1e18), trial.user_attrs.get("constraint_quality", 1e9)]
-
-
-def make_sampler(name: str, seed: int) -> Any:
+def make_sampler(name: Sampler, seed: int) -> Any:
+    """Optuna's sampler; TPE and NSGA-II read the memory and quality constraints each trial carries
+    (tuning/recording.py sets them), so infeasible configs steer the search away."""
     import optuna
 
-    if name == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=seed, constraints_func=trial_constraints)
-    if name == "random":
+    if name is Sampler.nsga2:
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    if name is Sampler.random:
         return optuna.samplers.RandomSampler(seed=seed)
-    return optuna.samplers.TPESampler(seed=seed, constraints_func=trial_constraints, n_startup_trials=8)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
 
 
-def make_searcher(args: argparse.Namespace, space: SearchSpace, contexts: list[int], n_layers: int | None,
+def make_searcher(opts: SearchOptions, space: SearchSpace, contexts: list[int], n_layers: int | None,
                   baseline: dict[str, Any] | None, storage: Any, study_name: str, base: EngineConfig) -> Any:
     from tuning.recording import RecordingOptunaSearch
 
     return RecordingOptunaSearch(
         space=SpaceFunction(space, contexts, n_layers),
-        metric=["single_tok_s", Objective(args.objective).key], mode=["max", "max"],
+        metric=["single_tok_s", opts.objective.key], mode=["max", "max"],
         points_to_evaluate=[baseline] if baseline else None,
-        sampler=make_sampler(args.sampler, args.seed), study_name=study_name, storage=storage, seed=args.seed,
+        sampler=make_sampler(opts.sampler, opts.seed), study_name=study_name, storage=storage, seed=opts.seed,
         recorded=RECORDED, first_is_baseline=baseline is not None, canonical=partial(to_engine_config, base=base),
     )
 
@@ -272,30 +244,31 @@ RECORDED = ("single_tok_s", "aggregate_tok_s", "capacity_tok_s", "capacity_strea
             "single_copy_tok_s", "ttft_ms",
             "prefill_tok_s", "nll", "nll_baseline", "nll_delta",
             "mem_predicted", "mem_measured", "mem_budget", "constraint_mem", "constraint_quality", "feasible",
-            "rejected", "error", "setup_s", "weight_loads", "weight_load_s", "actor", "sm_clock_mhz",
+            "rejected", "error", "setup_s", "held_s", "weight_loads", "weight_load_s", "actor", "sm_clock_mhz",
             "mem_clock_mhz", "sm_clock_max_mhz", "temperature_c", "throttle_reasons", "throttled", "shared",
             "time_total_s", "n_ctx")
 
 
-def open_storage(args: argparse.Namespace) -> Any:
+def open_storage(opts: SearchOptions) -> Any:
     import optuna
 
-    url = args.storage or f"sqlite:///{(args.results_dir / 'optuna.db').resolve()}"
-    args.results_dir.mkdir(parents=True, exist_ok=True)
+    url = opts.storage or f"sqlite:///{(opts.results_dir / 'optuna.db').resolve()}"
+    opts.results_dir.mkdir(parents=True, exist_ok=True)
     return optuna.storages.RDBStorage(url)
 
 
-def run_study(args: argparse.Namespace, settings: Any, searcher: Any, on_gpu: bool, gpus: int,
-              study_name: str, app: Any = None) -> float:
+def run_study(*, opts: SearchOptions, settings: Any, searcher: Any, on_gpu: bool, gpus: int, study_name: str,
+              app: ServingApp | None) -> float:
+    """The search: Ray Tune runs the trials the searcher proposes; returns its wall time in seconds."""
     from ray import tune
-    from ray.tune import CLIReporter
+    from ray.tune import Callback, CLIReporter
 
-    from tuning.inplace import ReplicaTrial
+    from tuning.inplace import FirstTrialNotice, ReplicaTrial
     from tuning.trial import EngineTrial
 
     if app is not None:  # each replica is a trial slot; the actor only talks to it
         trainable = tune.with_resources(tune.with_parameters(
-            ReplicaTrial, settings=settings, app=app.name, study=study_name, trials=args.trials), {"cpu": 0.01})
+            ReplicaTrial, settings=settings, app=app.name, study=study_name, trials=opts.trials), {"cpu": 0.01})
         slots = app.replicas
     else:
         resources: dict[str, float] = {"gpu": 1, "cpu": 1} if on_gpu else {"cpu": 1}
@@ -304,68 +277,93 @@ def run_study(args: argparse.Namespace, settings: Any, searcher: Any, on_gpu: bo
     reporter = CLIReporter(
         parameter_columns=["n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn"],
         metric_columns={"single_tok_s": "single", "aggregate_tok_s": "4-way",
-                        **({"capacity_tok_s": "capacity"} if args.min_stream_tok_s else {}), "feasible": "ok"},
+                        **({"capacity_tok_s": "capacity"} if opts.min_stream_tok_s else {}), "feasible": "ok"},
         max_report_frequency=15,
     )
+    callbacks: list[Callback] = [FirstTrialNotice(opts.trials, slots)] if app is not None else []
     tuner = tune.Tuner(
         trainable,
-        tune_config=tune.TuneConfig(search_alg=searcher, num_samples=args.trials, reuse_actors=True,
+        tune_config=tune.TuneConfig(search_alg=searcher, num_samples=opts.trials, reuse_actors=True,
                                     max_concurrent_trials=slots),
-        run_config=tune.RunConfig(name=study_name, storage_path=str((args.results_dir / "ray").resolve()),
-                                  stop={"training_iteration": 1}, progress_reporter=reporter, verbose=1),
+        run_config=tune.RunConfig(name=study_name, storage_path=str((opts.results_dir / "ray").resolve()),
+                                  stop={"training_iteration": 1}, progress_reporter=reporter, verbose=1,
+                                  callbacks=callbacks),
     )
+    logging.getLogger("ray.tune").setLevel(logging.ERROR)  # the progress table says it all; not INFO lines too
     t0 = time.perf_counter()
     tuner.fit()
     return time.perf_counter() - t0
 
 
-def finish(args: argparse.Namespace, storage: Any, study_name: str, base: EngineConfig, context: dict[str, Any],
-           settings: Any) -> int:
+def finish(*, opts: SearchOptions, session: Session, storage: Any, study_name: str, base: EngineConfig,
+           context: dict[str, Any], settings: Any) -> int:
+    """After the search: the pick (confirmed), the report and plots, configs written, the pick applied."""
     import optuna
 
     from tuning import report
     from tuning.writeback import apply_to_serve, write_config
 
     study = optuna.load_study(study_name=study_name, storage=storage)
-    rows = report.rows_from_study(study, Objective(args.objective))
-    winner = report.pick(rows, args.prefer)
-    out_dir = args.results_dir / study_name
+    rows = report.rows_from_study(study, opts.objective)
+    winner = report.pick(rows, opts.prefer)
+    out_dir = opts.results_dir / study_name
     out_dir.mkdir(parents=True, exist_ok=True)
-    confirmation = ""
-    if winner is not None and args.confirm_rounds > 0:
-        winner, confirmation = confirm_pick(args, rows, winner, base, settings, study_name)
+    confirmed: Confirmation | None = None
+    if winner is not None and opts.confirm_rounds > 0:
+        confirmed = confirm_pick(opts, rows, winner, base, settings, study_name, session.app)
+        winner = confirmed.row if confirmed is not None else winner
     report.plot(rows, winner, out_dir / "pareto.png")
-    capacity_plot = "capacity.png" if args.min_stream_tok_s is not None and report.plot_capacity(
-        rows, args.min_stream_tok_s, out_dir / "capacity.png") else None
+    capacity_plot = "capacity.png" if opts.min_stream_tok_s is not None and report.plot_capacity(
+        rows, opts.min_stream_tok_s, out_dir / "capacity.png") else None
     loads, load_s = report.weight_loads(rows)
     answered = sum(1 for r in rows if "answered_from" in r.attrs)
     loads_label = ("weight loads (the serving replicas' totals, their own start-up included)"
-                   if args.in_place_app is not None else "weight loads (all actors)")
+                   if session.app is not None else "weight loads (all actors)")
     context = {**context, "trials in study": len(rows),
                "answered from an earlier trial of the same engine config": answered,
                loads_label: loads, "time loading weights": f"{load_s:.1f} s"}
-    text = report.markdown(rows, winner, args.prefer, context, "pareto.png", capacity_plot)
-    (out_dir / "report.md").write_text(text.replace("\n## Pareto front", f"\n{confirmation}\n## Pareto front", 1)
-                                       if confirmation else text)
+    summary = pick_summary(study_name, winner, rows, confirmed, opts) if winner is not None else None
+    text = report.markdown(rows, winner, opts.prefer.value, context, "pareto.png", capacity_plot, summary)
+    if confirmed is not None:
+        text = text.replace("\n## Pareto front", f"\n{confirmed.section}\n## Pareto front", 1)
+    (out_dir / "report.md").write_text(text)
     print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
-    if winner is None:
+    if winner is None or summary is None:
         print("no feasible trial: nothing written; widen the space or the budget", file=sys.stderr)
         return 1
     tuned = to_engine_config(winner.params, base)
-    baseline = next((r for r in rows if r.is_baseline), None)
-    summary = (f"study {study_name}, trial {winner.number} ({args.prefer} pick): {winner.single:.1f} tok/s single, "
-               f"{winner.second:.1f} {winner.objective.label}; {report.gain(winner, baseline)}")
-    write_config(args.out, tuned, header=summary)
-    print(f"pick: {summary}\nwritten: {args.out}")
-    if not args.no_apply:
-        if args.started_ray and args.in_place_app is None:  # offline: the app is in another cluster; join it
-            import ray
+    write_config(opts.out, tuned, header=summary)
+    print(f"pick: {summary}\nwritten: {opts.out}")
+    if not opts.apply:
+        return 0
+    if session.app is None and opts.where is Where.auto:  # looked for one before the study: none was serving
+        print(f"no Serve app was serving: the next `serve run serving.app:main` loads {opts.out}"
+              if opts.out == DEFAULT_OUT else "no Serve app was serving: only the file was written")
+        return 0
+    if session.started_ray and session.app is None:  # --offline beside an app: it is in another cluster; join it
+        import ray
 
-            ray.shutdown()
-        result = apply_to_serve(tuned, app_name=args.app_name, address=args.serve_address)
-        print(f"live apply: {result.message}")
-        args.in_place_settled = result.applied  # else main() gives the replicas back what they served
+        ray.shutdown()
+    result = apply_to_serve(tuned, app_name=opts.app_name, address=opts.serve_address)
+    print(f"live apply: {result.message}")
+    session.settled = result.applied
     return 0
+
+
+def pick_summary(study_name: str, winner: Any, rows: list[Any], confirmed: Confirmation | None,
+                 opts: SearchOptions) -> str:
+    """The one sentence on the pick that the pick line, tuned.yaml's header and the report all carry: the
+    confirmation round's medians and paired ratios when it ran, else the search's single measurement."""
+    from tuning import report
+
+    if confirmed is not None:
+        single, second = confirmed.figures()
+        outcome = confirmed.summary(opts.objective)
+    else:
+        single, second = winner.single, winner.second
+        outcome = report.gain(winner, next((r for r in rows if r.is_baseline), None))
+    return (f"study {study_name}, trial {winner.number} ({opts.prefer.value} pick): {single:.1f} tok/s single, "
+            f"{second:.1f} {opts.objective.label}; {outcome}")
 
 
 def confirmation_candidates(rows: list[Any], winner: Any, base: EngineConfig, top: int, prefer: str) -> list[Any]:
@@ -388,32 +386,62 @@ def confirmation_candidates(rows: list[Any], winner: Any, base: EngineConfig, to
     return chosen
 
 
-def confirm_pick(args: argparse.Namespace, rows: list[Any], winner: Any, base: EngineConfig, settings: Any,
-                 study_name: str) -> tuple[Any, str]:
+@dataclass(frozen=True)
+class Confirmation:
+    """The confirmation round's outcome: the pick's study row, its confirmed figures, and the report section."""
+
+    row: Any  # tuning.report.TrialRow
+    verdict: Any  # tuning.confirm.Verdict
+    reference: Any  # tuning.confirm.Candidate: what the ratios are paired against
+    rounds: int
+    section: str
+
+    def figures(self) -> tuple[float, float]:
+        """The pick's median single-stream and second-objective tok/s over the confirmation rounds."""
+        pick = self.verdict.pick
+        return statistics.median(pick.single), statistics.median(pick.second)
+
+    def summary(self, objective: Objective) -> str:
+        """The confirmed, paired ratios, as the pick line, tuned.yaml's header and the report's winner say."""
+        pick = self.verdict.pick
+        against = ("the article baseline" if self.reference.is_baseline else
+                   f"trial {self.reference.number}, the search's pick (the baseline did not run)")
+        if pick.candidate == self.reference:
+            return f"confirmed over {self.rounds} interleaved rounds (no other candidate beat it)"
+        noise = " (within noise of the runner-up)" if self.verdict.within_noise else ""
+        return (f"single stream {pick.median('single'):.3f}x, {objective.label.removesuffix(' tok/s')} "
+                f"{pick.median('second'):.3f}x {against}: medians of ratios paired in {self.rounds} interleaved "
+                f"confirmation rounds{noise}")
+
+
+def confirm_pick(opts: SearchOptions, rows: list[Any], winner: Any, base: EngineConfig, settings: Any,
+                 study_name: str, app: ServingApp | None) -> Confirmation | None:
     """The search's best few and the baseline measured again, interleaved (tuning/confirm.py): the pick on
-    paired ratios, and the report's section on it."""
+    paired ratios. None when there is nothing to compare the pick with."""
     from tuning import confirm
 
-    chosen = confirmation_candidates(rows, winner, base, args.confirm_top, args.prefer)
+    chosen = confirmation_candidates(rows, winner, base, opts.confirm_top, opts.prefer)
     if len(chosen) < 2:
-        return winner, ""
+        return None
     candidates = [confirm.Candidate(r.number, r.label(), to_engine_config(r.params, base), r.is_baseline)
                   for r in chosen]
     reference = next((i for i, c in enumerate(candidates) if c.is_baseline), 0)  # else the search's pick
-    print(f"confirmation: {len(candidates)} candidates x {args.confirm_rounds} rounds, interleaved")
-    with confirmation_measure(args, settings, study_name, candidates) as measure:
-        confirmed = confirm.confirm(candidates, reference, args.confirm_rounds, measure, progress=print)
-    verdict = confirm.decide(confirmed, args.prefer)
+    print(f"confirmation: {len(candidates)} candidates x {opts.confirm_rounds} rounds, interleaved")
+    with confirmation_measure(app=app, workload=settings.workload, on_gpu=settings.on_gpu, study=study_name,
+                              total_trials=opts.trials + opts.confirm_rounds * len(candidates),
+                              objective=opts.objective) as measure:
+        confirmed = confirm.confirm(candidates, reference, opts.confirm_rounds, measure, progress=print)
+    verdict = confirm.decide(confirmed, opts.prefer)
     noise = " (within noise)" if verdict.within_noise else ""
     print(f"confirmed pick: trial {verdict.pick.candidate.number}{noise}")
     picked = next(r for r in rows if r.number == verdict.pick.candidate.number)
-    return picked, confirm.markdown(confirmed, verdict, candidates[reference], args.confirm_rounds,
-                                    Objective(args.objective).label)
+    section = confirm.markdown(confirmed, verdict, candidates[reference], opts.confirm_rounds, opts.objective.label)
+    return Confirmation(picked, verdict, candidates[reference], opts.confirm_rounds, section)
 
 
 @contextlib.contextmanager
-def confirmation_measure(args: argparse.Namespace, settings: Any, study_name: str,
-                         candidates: list[Any]) -> Iterator[Callable[[EngineConfig], Any]]:
+def confirmation_measure(*, app: ServingApp | None, workload: Workload, on_gpu: bool, study: str,
+                         total_trials: int, objective: Objective) -> Iterator[Callable[[EngineConfig], Any]]:
     """`config -> Figures` for the confirmation round: on a serving replica in place, else on one engine of
     our own in a Ray actor (one more weight load)."""
     import itertools
@@ -422,82 +450,95 @@ def confirmation_measure(args: argparse.Namespace, settings: Any, study_name: st
     from tuning.objective import SpeedMeasure
 
     requests = itertools.count(10**6, 1000)  # request numbers apart from the trials'
-    second = Objective(args.objective).key
 
     def figures(result: dict[str, Any]) -> Figures:
-        return Figures(float(result["single_tok_s"]), float(result[second]))
+        return Figures(float(result["single_tok_s"]), float(result[objective.key]))
 
-    app = args.in_place_app
     if app is not None:
         from tuning.inplace import replica_speed
 
-        total = args.trials + args.confirm_rounds * len(candidates)
         yield lambda config: figures(replica_speed(
-            app.name, study_name, total, config, SpeedMeasure(settings.workload, next(requests))))
+            app.name, study, total_trials, config, SpeedMeasure(workload, next(requests))))
         return
     import ray
 
     from tuning.trial import ConfirmEngine
 
-    resources = {"num_gpus": 1, "num_cpus": 1} if settings.on_gpu else {"num_cpus": 1}
-    actor: Any = ray.remote(ConfirmEngine).options(**resources).remote(candidates[0].config)
+    resources = {"num_gpus": 1, "num_cpus": 1} if on_gpu else {"num_cpus": 1}
+    actor: Any = ray.remote(ConfirmEngine).options(**resources).remote()
     try:
-        yield lambda config: figures(ray.get(actor.measure.remote(
-            config, SpeedMeasure(settings.workload, next(requests)))))
+        yield lambda config: figures(ray.get(actor.measure.remote(config, SpeedMeasure(workload, next(requests)))))
     finally:
         ray.get(actor.close.remote())
         ray.kill(actor)
 
-def run(args: argparse.Namespace) -> int:
-    if args.offline:
-        base = base_config(args)  # a bad --model is reported before any Ray starts
-    total, free = start_ray(args)
-    app = args.in_place_app = serving_app(args)
+
+def run(opts: SearchOptions, session: Session) -> int:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # "A new study created": the plan line says it
+    if opts.where is Where.offline:
+        base_config(opts)  # a bad --model is reported before any Ray starts
+    total, free = start_ray(opts, session)
+    app = session.app = serving_app(opts)
     # in place, the replicas' own model and settings are the study's base (--model and --base-config unused)
-    base = app.serving if app is not None else base_config(args)
+    base = app.serving if app is not None else base_config(opts)
     try:
         shape = ModelShape.from_gguf(base.model_path)
-        space = SearchSpace.from_yaml(args.space)
+        space = SearchSpace.from_yaml(opts.space)
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     if SpecMode.draft in space.spec_mode and base.draft_model is None:
         raise UserError("the search space lists spec_mode draft, but the base config has no draft_model: set it "
                         "(a GGUF sharing the model's vocabulary) or drop draft from the space")
-    min_ctx = args.min_ctx_per_slot or min(2048, shape.n_ctx_train or 2048)
+    min_ctx = opts.min_ctx_per_slot or min(2048, shape.n_ctx_train or 2048)
     try:
         contexts = space.contexts(min_ctx)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    on_gpu = choose_device(args, total, free, in_place=app is not None)
-    budget = budget_bytes(args, on_gpu)
+    on_gpu = choose_device(opts, total, free, in_place=app is not None)
+    budget = budget_bytes(opts, on_gpu)
     check_possible(shape, base, space, contexts[0], budget, on_gpu)
     n_layers = layer_search(shape, base, budget, on_gpu, space, contexts[0])
-    study_name = args.study_name or f"{base.model_path.stem}-{'gpu' if on_gpu else 'cpu'}-{budget // 2**20}MiB"
-    storage = open_storage(args)
+    study_name = opts.study_name or f"{base.model_path.stem}-{'gpu' if on_gpu else 'cpu'}-{budget // 2**20}MiB"
+    storage = open_storage(opts)
     baseline = article_point(base, space, contexts) if not _study_has_trials(storage, study_name) else None
 
     from tuning.trial import TrialSettings
 
-    settings = TrialSettings(base=base, shape=shape, budget_bytes=budget, on_gpu=on_gpu,
-                             workload=Workload(gen_tokens=args.gen_tokens, repeats=args.repeats,
-                                               prompt_set=PromptSet(args.prompt_set.replace("both", "plain")),
-                                               report_copy=args.prompt_set == "both",
-                                               min_stream_tok_s=args.min_stream_tok_s),
-                             max_quality_loss=args.max_quality_loss)
-    searcher = make_searcher(args, space, contexts, n_layers, baseline, storage, study_name, base)
-    where = (f"in place on app {app.name!r} ({app.replicas} replica(s), one trial each at a time)" if app else
-             f"({max(total, 1) if on_gpu else 1} trial(s) at a time)")
-    print(f"tuning {base.model_path.name} on {'GPU' if on_gpu else 'CPU'} {where}, budget {budget / GiB:.2f} GiB, "
-          f">= {min_ctx} tokens per slot, {args.trials} trials")
-    wall = run_study(args, settings, searcher, on_gpu, total, study_name, app)
+    workload = Workload(gen_tokens=opts.gen_tokens, repeats=opts.repeats, prompt_set=opts.workload_prompt_set,
+                        report_copy=opts.prompt_set == "both", min_stream_tok_s=opts.min_stream_tok_s)
+    settings = TrialSettings(base=base, shape=shape, budget_bytes=budget, on_gpu=on_gpu, workload=workload,
+                             max_quality_loss=opts.max_quality_loss)
+    searcher = make_searcher(opts, space, contexts, n_layers, baseline, storage, study_name, base)
+    print(plan_line(opts, base, app, on_gpu, total, budget, min_ctx), flush=True)
+    wall = run_study(opts=opts, settings=settings, searcher=searcher, on_gpu=on_gpu, gpus=total,
+                     study_name=study_name, app=app)
     context = {"model": base.model_path.name, "device": "GPU" if on_gpu else "CPU",
                "trials ran": f"in place, on app {app.name!r}" if app else "offline (engines of the tuner's own)",
                "budget": f"{budget / GiB:.2f} GiB", "min context per slot": min_ctx,
-               "max quality loss": f"{args.max_quality_loss} nats/token", "sampler": args.sampler,
-               "prompt set": args.prompt_set, "objectives": f"single stream, {Objective(args.objective).label}",
-               **({"capacity floor": f"{args.min_stream_tok_s} tok/s per stream"} if args.min_stream_tok_s else {}),
-               "study": study_name, "this run": f"{args.trials} trials in {wall:.0f} s"}
-    return finish(args, storage, study_name, base, context, settings)
+               "max quality loss": f"{opts.max_quality_loss} nats/token", "sampler": opts.sampler.value,
+               "prompt set": opts.prompt_set, "objectives": f"single stream, {opts.objective.label}",
+               **({"capacity floor": f"{opts.min_stream_tok_s} tok/s per stream"} if opts.min_stream_tok_s else {}),
+               "study": study_name, "this run": f"{opts.trials} trials in {wall:.0f} s"}
+    return finish(opts=opts, session=session, storage=storage, study_name=study_name, base=base, context=context,
+                  settings=settings)
+
+
+def plan_line(opts: SearchOptions, base: EngineConfig, app: ServingApp | None, on_gpu: bool, gpus: int,
+              budget: int, min_ctx: int) -> str:
+    """The one line printed before the first trial: what will be tuned, where, and what it does to clients."""
+    what = (f"tuning {base.model_path.name} on {'GPU' if on_gpu else 'CPU'}, budget {budget / GiB:.2f} GiB, "
+            f">= {min_ctx} tokens per slot, {opts.trials} trials")
+    if app is not None:
+        return (f"{what}, in place on Serve app {app.name!r} ({app.replicas} replica(s), one trial each at a "
+                "time): a trial takes its replica's engine between client requests, which wait meanwhile (how "
+                "long is printed after the first trial); Ctrl-C puts back the config served now; --offline "
+                "tunes on engines of the tuner's own instead")
+    apply = ("then applied to the running app" if opts.apply and opts.where is Where.offline else
+             "which the next `serve run serving.app:main` loads" if opts.out == DEFAULT_OUT else "")
+    return (f"{what}, offline ({max(gpus, 1) if on_gpu else 1} trial(s) at a time, engines of the tuner's own); "
+            f"the pick goes to {opts.out}{', ' + apply if apply else ''}")
 
 
 def _study_has_trials(storage: Any, study_name: str) -> bool:
@@ -509,21 +550,18 @@ def _study_has_trials(storage: Any, study_name: str) -> bool:
         return False
 
 
-def restore_serving(args: argparse.Namespace) -> Any:
+def restore_serving(opts: SearchOptions, app: ServingApp) -> Any:
     """An in-place study that ends without applying a pick: the replicas get back what they served."""
     from tuning.writeback import apply_to_serve
 
-    app = args.in_place_app
-    return apply_to_serve(app.serving, app_name=app.name, address=args.serve_address)
+    return apply_to_serve(app.serving, app_name=app.name, address=opts.serve_address)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    args.started_ray = False
-    args.in_place_app = None
-    args.in_place_settled = False
+    opts = parse_options(argv)
+    session = Session()
     try:
-        return run(args)
+        return run(opts, session)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -531,9 +569,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; the study is saved and resumes with the same --study-name", file=sys.stderr)
         return 130
     finally:
-        if args.in_place_app is not None and not args.in_place_settled:  # no pick applied: what they served
-            print(f"restore: {restore_serving(args).message}", file=sys.stderr)
-        if args.started_ray:  # leave no Ray of ours behind (a caller's own Ray stays up)
+        if session.app is not None and not session.settled:  # no pick applied: what they served
+            print(f"restore: {restore_serving(opts, session.app).message}", file=sys.stderr)
+        if session.started_ray:  # leave no Ray of ours behind (a caller's own Ray stays up)
             import ray
 
             ray.shutdown()

@@ -125,16 +125,20 @@ class EngineTrial(ConfigTrial):
 
 class ConfirmEngine:
     """The confirmation round's engine for an offline study (a Ray actor: `ray.remote(ConfirmEngine)`): one
-    engine, its context rebuilt per config; the Tune actors are gone by then, so this loads the weights once."""
+    engine, loaded with the first config it measures, then its context rebuilt per config; the Tune actors are
+    gone by then, so this loads the weights once."""
 
-    def __init__(self, first: EngineConfig) -> None:
-        self.engine = Engine(first)
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
 
     def measure(self, config: EngineConfig, measure: Any) -> dict[str, Any]:
-        if config != self.engine.config:
+        if self.engine is None:
+            self.engine = Engine(config)
+        elif config != self.engine.config:
             self.engine.reconfigure(config)
         result: dict[str, Any] = measure(self.engine)
         return result
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()

@@ -71,7 +71,8 @@ def apply_to_serve(config: EngineConfig, app_name: str | None = None, address: s
         app_name = next(iter(apps))
     if app_name not in apps:
         running = sorted(apps) or "none"
-        return ApplyResult(False, f"no Serve app {app_name or ''} with a {DEPLOYMENT_NAME} deployment to apply to "
+        named = f" {app_name}" if app_name else ""
+        return ApplyResult(False, f"no Serve app{named} with a {DEPLOYMENT_NAME} deployment to apply to "
                                   f"(running: {running}); only the file was written")
     channel = serve.get_deployment_handle(CHANNEL_NAME, app_name=app_name)
     published = channel.publish.remote(config.to_yaml_dict()).result()

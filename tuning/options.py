@@ -1,0 +1,195 @@
+"""The tuner's command line, parsed once into a frozen `SearchOptions`: every later step reads attributes of one
+immutable record instead of a Namespace that grows as the study runs.
+
+The flags come in groups (`python -m tuning.search --help`): where the trials run, what is searched, what each
+trial measures, how the pick is made, and where the study is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from measure.workload import PromptSet
+from tuning.report import Objective
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Where(str, Enum):
+    """Where the trials run."""
+
+    auto = "auto"  # in place when a Serve app with engine replicas is running, else offline
+    in_place = "in-place"  # on the running app's replicas; an error when none is running
+    offline = "offline"  # on engines of the tuner's own, even beside a running app
+
+
+class Prefer(str, Enum):
+    """How the pick is made from the Pareto front."""
+
+    balanced = "balanced"  # best second objective among configs within 5% of the best single stream
+    single = "single"
+    aggregate = "aggregate"
+
+
+class Sampler(str, Enum):
+    tpe = "tpe"
+    nsga2 = "nsga2"
+    random = "random"
+
+
+class DeviceChoice(str, Enum):
+    auto = "auto"
+    gpu = "gpu"
+    cpu = "cpu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """Everything the command line says, validated. Defaults are the command line's."""
+
+    trials: int = 40
+    where: Where = Where.auto
+    app_name: str | None = None
+    ray_address: str | None = None
+    serve_address: str = "auto"
+    model: str | None = None
+    base_config: Path = REPO_ROOT / "configs" / "default.yaml"
+    space: Path | None = None
+    vram_budget: str | None = None
+    min_ctx_per_slot: int | None = None
+    device: DeviceChoice = DeviceChoice.auto
+    gen_tokens: int = 64
+    repeats: int = 3
+    prompt_set: str = PromptSet.plain.value  # a PromptSet's value, or "both"
+    min_stream_tok_s: float | None = None
+    max_quality_loss: float = 0.01
+    objective: Objective = Objective.aggregate
+    prefer: Prefer = Prefer.balanced
+    confirm_rounds: int = 3
+    confirm_top: int = 3
+    sampler: Sampler = Sampler.tpe
+    seed: int = 0
+    storage: str | None = None
+    study_name: str | None = None
+    results_dir: Path = REPO_ROOT / "results"
+    out: Path = REPO_ROOT / "configs" / "tuned.yaml"
+    apply: bool = True
+
+    @property
+    def workload_prompt_set(self) -> PromptSet:
+        """The prompt set the objectives are measured on (`both` measures them on plain)."""
+        return PromptSet.plain if self.prompt_set == "both" else PromptSet(self.prompt_set)
+
+
+class _Help(argparse.HelpFormatter):
+    """Each flag's default after its help, unless the help says it already or there is none to show; paths
+    shown as the repository-relative paths they are."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is argparse.SUPPRESS or action.nargs == 0:
+            return text
+        if isinstance(default, Path) and default.is_relative_to(REPO_ROOT):
+            default = default.relative_to(REPO_ROOT)
+        return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = SearchOptions()
+    p = argparse.ArgumentParser(
+        prog="python -m tuning.search",
+        description="Tune llama.cpp's settings for the model a Serve app serves (in place, on its replicas) or "
+                    "for a model of your own (offline), and apply the pick.",
+        formatter_class=_Help)
+    p.add_argument("--trials", type=int, default=d.trials, help="trials to run")
+
+    where = p.add_argument_group("where the trials run")
+    mode = where.add_mutually_exclusive_group()
+    mode.add_argument("--in-place", dest="where", action="store_const", const=Where.in_place,
+                      help="run on the running Serve app's engine replicas, and fail if none is running (without "
+                           "either flag the tuner does this whenever an app is serving)")
+    mode.add_argument("--offline", dest="where", action="store_const", const=Where.offline,
+                      help="run on engines of the tuner's own even when an app is serving (one more weight load "
+                           "per trial actor); the pick is still written to --out and applied to the app")
+    where.add_argument("--app-name", help="the Serve app to tune (default: the one running engine replicas)")
+    where.add_argument("--ray-address", help="Ray cluster to run offline trials on (default: the Serve app's, "
+                                             "else a local Ray started for the study)")
+    where.add_argument("--serve-address", default=d.serve_address, help="Ray cluster where the Serve app runs")
+    where.add_argument("--device", choices=[c.value for c in DeviceChoice], default=d.device.value,
+                       help="offline trials on a GPU, on the CPU, or on a GPU when the cluster has a free one")
+
+    space = p.add_argument_group("what is searched")
+    space.add_argument("--model", help="GGUF file for offline trials (default: `model:` of --base-config, else "
+                                       "the embedded model); in place the replicas' model is tuned")
+    space.add_argument("--base-config", type=Path, default=d.base_config,
+                       help="engine config offline trials start from (model, threads)")
+    space.add_argument("--space", type=Path, help="search-space YAML (default: configs/search_space.yaml)")
+    space.add_argument("--vram-budget", help="memory budget, e.g. 32GiB (default: the GPU's memory minus 1 GiB; "
+                                             "on the CPU half this machine's RAM, counted as resident memory)")
+    space.add_argument("--min-ctx-per-slot", type=int,
+                       help="least context per slot (default: min(2048, the model's training context))")
+    space.add_argument("--max-quality-loss", type=float, default=d.max_quality_loss,
+                       help="allowed rise of the mean NLL over the f16-cache baseline, nats/token (~1%% perplexity)")
+
+    trial = p.add_argument_group("what each trial measures")
+    trial.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="tokens generated per measured request")
+    trial.add_argument("--repeats", type=int, default=d.repeats,
+                       help="measured rounds per figure after a warm-up; the median is kept")
+    trial.add_argument("--prompt-set", choices=[*(s.value for s in PromptSet), "both"], default=d.prompt_set,
+                       help="plain (free writing, EOS ignored), copy (edit code, quote a text: where prompt lookup "
+                            "pays; stops at EOS), or both (objectives on plain, the single stream on copy beside)")
+    trial.add_argument("--min-stream-tok-s", type=float,
+                       help="per-stream floor of the capacity figure, e.g. 10 (a reader's pace); given, every trial "
+                            "also measures its capacity curve: 1, 2, 4, ... streams up to its slots")
+
+    pick = p.add_argument_group("how the pick is made")
+    pick.add_argument("--objective", choices=[o.value for o in Objective], default=d.objective.value,
+                      help="the second objective beside single-stream tok/s: aggregate (4 streams at once) or "
+                           "capacity (the best aggregate with every stream at least --min-stream-tok-s)")
+    pick.add_argument("--prefer", choices=[c.value for c in Prefer], default=d.prefer.value,
+                      help="balanced: the best second objective among configs within 5%% of the best single "
+                           "stream; single or aggregate: the best of that figure")
+    pick.add_argument("--confirm-rounds", type=int, default=d.confirm_rounds,
+                      help="after the search, measure the best --confirm-top configs and the baseline this many "
+                           "more times, interleaved, and pick on paired ratios (0: pick on the search's figures)")
+    pick.add_argument("--confirm-top", type=int, default=d.confirm_top, help="configs of the Pareto front to confirm")
+    pick.add_argument("--sampler", choices=[s.value for s in Sampler], default=d.sampler.value,
+                      help="Optuna's sampler")
+    pick.add_argument("--seed", type=int, default=d.seed, help="the sampler's seed")
+
+    keep = p.add_argument_group("where the study and the pick go")
+    keep.add_argument("--storage", help="Optuna storage URL (default: sqlite:///RESULTS_DIR/optuna.db)")
+    keep.add_argument("--study-name", help="default: <model>-<device>-<budget>; an existing study is resumed")
+    keep.add_argument("--results-dir", type=Path, default=d.results_dir, help="reports, plots and the study")
+    keep.add_argument("--out", type=Path, default=d.out, help="the pick's engine config (YAML)")
+    keep.add_argument("--no-apply", dest="apply", action="store_false",
+                      help="only write --out; leave a running Serve app as it is")
+    return p
+
+
+def parse_options(argv: list[str] | None = None) -> SearchOptions:
+    """The command line as a SearchOptions; argparse's usage error (exit 2) on a bad combination."""
+    p = _parser()
+    ns = p.parse_args(argv)
+    if ns.trials < 1:
+        p.error("--trials must be at least 1")
+    if ns.repeats < 1 or ns.gen_tokens < 2:
+        p.error("--repeats must be >= 1 and --gen-tokens >= 2")
+    if ns.objective == Objective.capacity.value and ns.min_stream_tok_s is None:
+        p.error("--objective capacity needs --min-stream-tok-s (the floor every stream must keep)")
+    if ns.min_stream_tok_s is not None and ns.min_stream_tok_s <= 0:
+        p.error("--min-stream-tok-s must be > 0")
+    if ns.confirm_rounds < 0 or ns.confirm_top < 1:
+        p.error("--confirm-rounds must be >= 0 and --confirm-top >= 1")
+    return SearchOptions(
+        trials=ns.trials, where=ns.where or Where.auto, app_name=ns.app_name, ray_address=ns.ray_address,
+        serve_address=ns.serve_address, model=ns.model, base_config=ns.base_config, space=ns.space,
+        vram_budget=ns.vram_budget, min_ctx_per_slot=ns.min_ctx_per_slot, device=DeviceChoice(ns.device),
+        gen_tokens=ns.gen_tokens, repeats=ns.repeats, prompt_set=ns.prompt_set, min_stream_tok_s=ns.min_stream_tok_s,
+        max_quality_loss=ns.max_quality_loss, objective=Objective(ns.objective), prefer=Prefer(ns.prefer),
+        confirm_rounds=ns.confirm_rounds, confirm_top=ns.confirm_top, sampler=Sampler(ns.sampler), seed=ns.seed,
+        storage=ns.storage, study_name=ns.study_name, results_dir=ns.results_dir, out=ns.out, apply=ns.apply)
