@@ -47,7 +47,7 @@ from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middlewar
 from serving.relay import RelayedPart, RelayedRequest, run_relayed
 from serving.request import SamplingParams
 from serving.routing import IN_TRIAL, ROUTER, ROUTING_STATS_PERIOD_S
-from serving.trials import Measure, TrialHost
+from serving.trials import Measure, TrialHost, TrialRun
 
 log = logging.getLogger("serving")
 
@@ -299,7 +299,7 @@ class LlamaServer(OpenAIRoutes):
         study = self._trials.study
         return (study.serving if study is not None else self.ready_engine().config).to_yaml_dict()
 
-    async def tune_trial(self, study: str, trials: int, config: dict[str, Any], measure: Measure) -> dict[str, Any]:
+    async def tune_trial(self, study: str, trials: int, config: dict[str, Any], measure: Measure) -> TrialRun:
         """A trial of an in-place study, on this replica's engine and weights (serving/trials.py)."""
         return await self._trials.run_trial(study, trials, EngineConfig(**config), measure)
 

@@ -31,7 +31,18 @@ log = logging.getLogger("serving")
 
 IDLE_POLL_S = 0.05
 DRAIN_TIMEOUT_S = 600.0  # admitted requests get this long to finish before a trial gives up its turn
-Measure = Callable[[Engine], dict[str, Any]]
+Measure = Callable[[Engine], Any]  # the tuner's measurement; what it returns is the tuner's business
+
+
+@dataclass(frozen=True)
+class TrialRun:
+    """What a trial on this replica gives back: the measurement's own result, untouched, and the replica's
+    figures around it."""
+
+    measured: Any
+    setup_s: float  # rebuilding the context with the trial's config
+    held_s: float  # from taking the engine to giving it back: clients that came meanwhile waited up to this
+    weight_loads: int  # this replica's, start-up included: a trial must not add one
 
 
 @dataclass
@@ -103,7 +114,7 @@ class TrialHost:
         elsewhere when it can)."""
         return self._trials > 0
 
-    async def run_trial(self, study: str, trials: int, config: EngineConfig, measure: Measure) -> dict[str, Any]:
+    async def run_trial(self, study: str, trials: int, config: EngineConfig, measure: Measure) -> TrialRun:
         """The next trial of `study` (of `trials`) here: the engine to itself, rebuilt with `config`, measured."""
         self._trials += 1
         try:
@@ -111,7 +122,7 @@ class TrialHost:
         finally:
             self._trials -= 1
 
-    async def _run_trial(self, study: str, trials: int, config: EngineConfig, measure: Measure) -> dict[str, Any]:
+    async def _run_trial(self, study: str, trials: int, config: EngineConfig, measure: Measure) -> TrialRun:
         async with self._lock:
             held = time.perf_counter()
             engine = self._engine()
@@ -128,9 +139,8 @@ class TrialHost:
                 result = await asyncio.to_thread(measure, engine)
             finally:
                 current.in_trial, current.last_activity = False, self._clock()
-            held_s = time.perf_counter() - held  # clients that came meanwhile waited up to this long
-        return {**result, "setup_s": setup_s, "held_s": held_s, "weight_loads": engine.weight_loads,
-                "serving_config": current.serving.to_yaml_dict()}
+            held_s = time.perf_counter() - held
+        return TrialRun(result, setup_s, held_s, engine.weight_loads)
 
     async def _idle(self, engine: Engine) -> None:
         """Wait until no client is between its turn and its submit and every admitted request has ended."""

@@ -14,6 +14,7 @@ from serving.config import EngineConfig
 from tuning.confirm import Candidate, Confirmed, decide
 from tuning.options import SearchOptions, Where, _parser, parse_options
 from tuning.report import TrialRow
+from tuning.results import TrialResult
 from tuning.search import Confirmation, UserError, pick_summary, plan_line, serving_app
 
 APP = SimpleNamespace(name="llama", replicas=1, serving=EngineConfig())
@@ -96,8 +97,8 @@ def test_the_plan_line_says_what_a_study_does_to_clients() -> None:
 def _row(number: int, single: float, second: float, baseline: bool = False) -> TrialRow:
     params = {"n_parallel": 2, "n_batch": 512, "n_ubatch": 512, "ctx_per_slot": 2048, "type_k": "q8_0",
               "type_v": "q8_0", "flash_attn": "on"}
-    return TrialRow(number, params, {"single_tok_s": single, "aggregate_tok_s": second, "feasible": True},
-                    baseline)
+    return TrialRow(number, TrialResult(params=params, n_ctx=4096, mem_predicted=1, mem_budget=2, single_tok_s=single,
+                                        aggregate_tok_s=second, feasible=True, is_baseline=baseline))
 
 
 def test_the_pick_line_carries_the_confirmed_paired_ratios() -> None:

@@ -43,7 +43,7 @@ def _host(engine: FakeEngine, max_waiting: int = 4, lease_s: float = 60.0,
 
 
 def test_a_trial_measures_its_config_and_the_next_client_gets_the_serving_one_back() -> None:
-    async def scenario() -> tuple[FakeEngine, dict, list[EngineConfig]]:
+    async def scenario() -> tuple[FakeEngine, Any, list[EngineConfig]]:
         engine, seen = FakeEngine(), []
         host = _host(engine)
         result = await host.run_trial("s", 3, TRIAL, lambda e: {"measured_on": e.config.n_parallel})
@@ -53,8 +53,8 @@ def test_a_trial_measures_its_config_and_the_next_client_gets_the_serving_one_ba
         return engine, result, seen
 
     engine, result, seen = asyncio.run(scenario())
-    assert result["measured_on"] == 2 and result["weight_loads"] == 1
-    assert result["serving_config"] == SERVING.to_yaml_dict()
+    assert result.measured["measured_on"] == 2 and result.weight_loads == 1
+    assert result.held_s >= result.setup_s >= 0
     assert seen == [SERVING], "a client is never answered by a trial's config"
     assert engine.configs == [TRIAL, SERVING]
 

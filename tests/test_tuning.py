@@ -17,6 +17,7 @@ from serving import llama as _llama  # noqa: F401  (load order: ray before libll
 from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, embedded_model_path, load_engine_config
 from tuning.memory import GiB, ModelShape, kv_cache_bytes, parse_bytes, predict
 from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
+from tuning.results import TrialResult
 from tuning.space import SearchSpace, suggest, to_engine_config
 
 SMALL_SPACE = {
@@ -269,8 +270,13 @@ def test_live_apply_to_a_missing_app_only_reports(ray_session: None) -> None:
 
 
 # -- report: Pareto front and pick -------------------------------------------------------------------
+def trial_row(number: int, params: dict, attrs: dict, baseline: bool) -> TrialRow:
+    """A study row as the report reads it back from the trial's user attributes."""
+    return TrialRow(number, TrialResult.from_attrs({**attrs, "params": params, "is_baseline": baseline}))
+
+
 def row(n: int, single: float, aggregate: float, feasible: bool = True) -> TrialRow:
-    return TrialRow(n, {"n_parallel": 1}, {"single_tok_s": single, "aggregate_tok_s": aggregate,
+    return trial_row(n, {"n_parallel": 1}, {"single_tok_s": single, "aggregate_tok_s": aggregate,
                                            "feasible": feasible}, False)
 
 
@@ -305,14 +311,14 @@ def test_pick_by_preference() -> None:
 
 
 def test_an_answered_proposal_is_not_a_second_point_of_the_front() -> None:
-    answered = TrialRow(6, {"n_parallel": 1}, {"single_tok_s": 96.0, "aggregate_tok_s": 180.0, "feasible": True,
+    answered = trial_row(6, {"n_parallel": 1}, {"single_tok_s": 96.0, "aggregate_tok_s": 180.0, "feasible": True,
                                                "answered_from": 1}, False)
     assert [r.number for r in pareto_front([*ROWS, answered])] == [0, 1, 2]
     assert "answered from #1" in trial_table([answered])
 
 
 def capacity_row(n: int, slots: int, curve: list[tuple[int, float, float]], capacity: float) -> TrialRow:
-    return TrialRow(n, {"n_parallel": slots, "n_batch": 512, "n_ubatch": 512, "ctx_per_slot": 2048},
+    return trial_row(n, {"n_parallel": slots, "n_batch": 512, "n_ubatch": 512, "ctx_per_slot": 2048},
                     {"single_tok_s": curve[0][1], "aggregate_tok_s": curve[-1][1], "feasible": True,
                      "capacity_tok_s": capacity, "capacity_streams": curve[-1][0],
                      "capacity_curve": [{"streams": s, "aggregate_tok_s": a, "slowest_tok_s": w}
@@ -339,7 +345,7 @@ def test_confirmation_candidates_are_distinct_configs_and_the_baseline() -> None
     def trial(n: int, single: float, aggregate: float, n_parallel: int, baseline: bool = False) -> TrialRow:
         params = {"n_parallel": n_parallel, "n_batch": 512, "n_ubatch": 512, "ctx_per_slot": 2048, "type_k": "f16",
                   "type_v": "f16", "flash_attn": "on"}
-        return TrialRow(n, params, {"single_tok_s": single, "aggregate_tok_s": aggregate, "feasible": True}, baseline)
+        return trial_row(n, params, {"single_tok_s": single, "aggregate_tok_s": aggregate, "feasible": True}, baseline)
 
     rows = [trial(0, 90.0, 150.0, 2, baseline=True), trial(1, 100.0, 240.0, 4), trial(2, 100.0, 240.0, 4),
             trial(3, 101.0, 200.0, 8), trial(4, 102.0, 180.0, 1)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray import serve
@@ -20,7 +20,9 @@ from ray.tune import Callback
 
 from serving.config import EngineConfig
 from serving.control import DEPLOYMENT_NAME
-from tuning.objective import InPlaceMeasure
+from serving.trials import TrialRun
+from tuning.objective import InPlaceMeasure, SpeedMeasure
+from tuning.results import Measurement, MeasuredRun, SpeedFigures, TrialResult
 from tuning.trial import ConfigTrial, TrialSettings
 
 log = logging.getLogger(__name__)
@@ -66,26 +68,29 @@ class ReplicaTrial(ConfigTrial):
         self.baseline: float | None = None  # the f16 NLL, measured by the first trial and passed on
         self.requests = itertools.count(1, REQUESTS_PER_TRIAL)
 
-    def _measure(self, config: EngineConfig) -> dict[str, Any]:
+    def _measure(self, config: EngineConfig) -> MeasuredRun:
         from ray.exceptions import RayError
 
         measure = InPlaceMeasure(self.settings.workload, self.settings.on_gpu, next(self.requests), self.baseline)
         try:
-            result: dict[str, Any] = self.handle.tune_trial.remote(
-                self.study, self.trials, config.to_yaml_dict(), measure).result()
+            run: TrialRun = self.handle.tune_trial.remote(self.study, self.trials, config.to_yaml_dict(),
+                                                          measure).result()
         except RayError as exc:  # the replica could not run it (a config that does not build, a lost replica)
             raise RuntimeError(f"the replica could not run this trial: {exc}") from exc
-        self.baseline = result["nll_baseline"]
-        result.pop("serving_config", None)
-        return result
+        measured: Measurement = run.measured
+        self.baseline = measured.nll_baseline
+        # the replica's weight loads (its start-up's included), not the engine's: a trial must add none
+        measured = replace(measured, weight_loads=run.weight_loads)
+        return MeasuredRun(measurement=measured, setup_s=run.setup_s, held_s=run.held_s)
 
 
-def replica_speed(app: str, study: str, trials: int, config: EngineConfig, measure: Any) -> dict[str, Any]:
+def replica_speed(app: str, study: str, trials: int, config: EngineConfig, measure: SpeedMeasure) -> SpeedFigures:
     """One speed measurement of `config` on a serving replica, as a trial of the study (its turn, its
     context rebuilt), for the confirmation round."""
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
-    result: dict[str, Any] = handle.tune_trial.remote(study, trials, config.to_yaml_dict(), measure).result()
-    return result
+    run: TrialRun = handle.tune_trial.remote(study, trials, config.to_yaml_dict(), measure).result()
+    figures: SpeedFigures = run.measured
+    return figures
 
 
 class FirstTrialNotice(Callback):
@@ -96,7 +101,7 @@ class FirstTrialNotice(Callback):
         self.trials, self.replicas, self.said = trials, max(replicas, 1), False
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
-        held = result.get("held_s")
+        held = TrialResult.from_tune(result).held_s
         if self.said or not held:
             return
         self.said = True

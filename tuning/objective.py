@@ -10,15 +10,15 @@ actor (tuning/trial.py), or inside a serving replica (`InPlaceMeasure`, sent the
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Any
 
 from measure.targets import EngineTarget
-from measure.workload import PromptSet, Runner, Speed, Workload
+from measure.workload import Capacity, PromptSet, Runner, Speed, Workload
 from serving.config import CacheType
 from serving.engine import Engine
 from tuning.device import DeviceProbe
+from tuning.results import CurvePoint, Measurement, SpeedFigures
 
 __all__ = ["InPlaceMeasure", "Runner", "Speed", "SpeedMeasure", "Workload", "baseline_nll", "measure_engine",
            "quality_tokens"]
@@ -46,47 +46,46 @@ def baseline_nll(engine: Engine) -> float:
         engine.reconfigure(config)
 
 
-def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline: float | None) -> dict[str, Any]:
+def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline: float | None) -> Measurement:
     """Speed, memory and quality of `engine` as it runs now; `baseline` (the f16 NLL) is measured when None.
     Runs the workload in an event loop of its own: call it from a thread that has none running."""
     mem_measured = probe.memory_in_use()
     speed, capacity, copy = asyncio.run(_speed_figures(runner, EngineTarget(engine)))
     nll = engine.score(quality_tokens(engine))
     reference = baseline_nll(engine) if baseline is None else baseline
-    return {
-        "single_tok_s": speed.single_tok_s, "aggregate_tok_s": speed.aggregate_tok_s,
-        "ttft_ms": speed.ttft_ms, "prefill_tok_s": speed.prefill_tok_s,
-        "nll": nll, "nll_baseline": reference, "nll_delta": nll - reference,
-        "mem_measured": mem_measured, "weight_loads": engine.weight_loads, "weight_load_s": engine.weight_load_s,
-        **capacity, **copy, **probe.state(),
-    }
+    curve = (tuple(CurvePoint(streams=p.streams, aggregate_tok_s=p.aggregate_tok_s, slowest_tok_s=p.slowest_tok_s)
+                   for p in capacity.curve) if capacity is not None else None)
+    return Measurement(
+        single_tok_s=speed.single_tok_s, aggregate_tok_s=speed.aggregate_tok_s, ttft_ms=speed.ttft_ms,
+        prefill_tok_s=speed.prefill_tok_s, nll=nll, nll_baseline=reference, mem_measured=mem_measured,
+        weight_loads=engine.weight_loads, weight_load_s=engine.weight_load_s,
+        capacity_tok_s=capacity.tok_s if capacity is not None else None,
+        capacity_streams=capacity.streams if capacity is not None else None, capacity_curve=curve,
+        single_copy_tok_s=copy, **probe.state())
 
 
-async def _speed_figures(runner: Runner, target: EngineTarget) -> tuple[Speed, dict[str, Any], dict[str, Any]]:
+async def _speed_figures(runner: Runner, target: EngineTarget) -> tuple[Speed, Capacity | None, float | None]:
     speed = await runner.speed(target)
     return speed, await capacity_figures(runner, target), await copy_figures(runner, target)
 
 
-async def copy_figures(runner: Runner, target: EngineTarget) -> dict[str, Any]:
+async def copy_figures(runner: Runner, target: EngineTarget) -> float | None:
     """With `report_copy`: the single stream on the copy prompt set too (where prompt lookup pays), the median
     decode tok/s of `repeats` runs after a warm-up; the objectives stay on the workload's own set."""
     workload = runner.workload
     if not workload.report_copy:
-        return {}
+        return None
     copy = Runner(replace(workload, prompt_set=PromptSet.copy, levels=(1,), report_copy=False),
                   runner.prompts.next_number)
-    speed = await copy.speed(target)
-    return {"single_copy_tok_s": speed.single_tok_s}
+    return (await copy.speed(target)).single_tok_s
 
 
-async def capacity_figures(runner: Runner, target: EngineTarget) -> dict[str, Any]:
+async def capacity_figures(runner: Runner, target: EngineTarget) -> Capacity | None:
     """The capacity figure and curve at the config's slot count, when the workload asks for them."""
     floor = runner.workload.min_stream_tok_s
     if floor is None:
-        return {}
-    capacity = await runner.capacity(target, target.engine.config.n_parallel, floor)
-    return {"capacity_tok_s": capacity.tok_s, "capacity_streams": capacity.streams,
-            "capacity_curve": [asdict(p) for p in capacity.curve]}
+        return None
+    return await runner.capacity(target, target.engine.config.n_parallel, floor)
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ class InPlaceMeasure:
     first_request: int
     baseline: float | None = None
 
-    def __call__(self, engine: Engine) -> dict[str, Any]:
+    def __call__(self, engine: Engine) -> Measurement:
         probe = DeviceProbe(self.on_gpu, whole_device=True)
         return measure_engine(engine, Runner(self.workload, self.first_request), probe, self.baseline)
 
@@ -113,9 +112,12 @@ class SpeedMeasure:
     workload: Workload
     first_request: int
 
-    def __call__(self, engine: Engine) -> dict[str, Any]:
+    def __call__(self, engine: Engine) -> SpeedFigures:
         return asyncio.run(self._measure(Runner(self.workload, self.first_request), EngineTarget(engine)))
 
     @staticmethod
-    async def _measure(runner: Runner, target: EngineTarget) -> dict[str, Any]:
-        return {**asdict(await runner.speed(target)), **await capacity_figures(runner, target)}
+    async def _measure(runner: Runner, target: EngineTarget) -> SpeedFigures:
+        speed = await runner.speed(target)
+        capacity = await capacity_figures(runner, target)
+        return SpeedFigures(single_tok_s=speed.single_tok_s, aggregate_tok_s=speed.aggregate_tok_s,
+                            capacity_tok_s=capacity.tok_s if capacity is not None else None)

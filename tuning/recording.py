@@ -14,23 +14,22 @@ asked again, so Ray Tune's trials go to configs not yet measured and the sampler
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from typing import Any
 
 from ray.tune.search.optuna import OptunaSearch
 
+from tuning.results import TrialResult
+
 MAX_ANSWERED = 10  # proposals answered from the study per suggestion before one runs anyway (a small space)
-# Optuna constraints (feasible when <= 0): their result keys, and the value when a trial could not say (it
-# failed, or was rejected before measuring): infeasible by far
-CONSTRAINTS = {"memory": ("constraint_mem", 1e18), "quality": ("constraint_quality", 1e9)}
 
 
 class RecordingOptunaSearch(OptunaSearch):
     """OptunaSearch plus user attributes: `recorded` result keys, the params, and the baseline mark."""
 
-    def __init__(self, *args: Any, recorded: tuple[str, ...], first_is_baseline: bool,
-                 canonical: Callable[[dict[str, Any]], Hashable], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, first_is_baseline: bool, canonical: Callable[[dict[str, Any]], Hashable],
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._recorded = recorded
         self._first_is_baseline = first_is_baseline
         self._canonical = canonical  # params -> the engine they make (tuning.space.to_engine_config)
 
@@ -51,34 +50,33 @@ class RecordingOptunaSearch(OptunaSearch):
         key = self._canonical(params)
         study: Any = self._ot_study  # set by OptunaSearch's setup before any suggestion
         for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            measured = trial.user_attrs.get("params")
-            if measured and "answered_from" not in trial.user_attrs and self._canonical(measured) == key:
+            record = TrialResult.from_attrs(trial.user_attrs)
+            if record.params and record.answered_from is None and self._canonical(record.params) == key:
                 return trial
         return None
 
     def _answer(self, ot_trial: Any, params: dict[str, Any], twin: Any) -> None:
-        for key, value in twin.user_attrs.items():
-            ot_trial.set_user_attr(key, value)
-        ot_trial.set_user_attr("params", dict(params))
-        ot_trial.set_user_attr("is_baseline", False)
-        ot_trial.set_user_attr("answered_from", twin.number)
-        for name, value in twin.constraints.items():
-            ot_trial.set_constraint(name, value)
+        record = replace(TrialResult.from_attrs(twin.user_attrs), params=dict(params), is_baseline=False,
+                         answered_from=twin.number)
+        self._record(ot_trial, record)
         study: Any = self._ot_study
         study.tell(ot_trial, twin.values)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         ot_trial = self._ot_trials.get(trial_id)
-        if ot_trial is not None and result:
-            for key in self._recorded:
-                if key in result:
-                    ot_trial.set_user_attr(key, result[key])
-            ot_trial.set_user_attr("params", _params(result))
-            ot_trial.set_user_attr("is_baseline", self._first_is_baseline and ot_trial.number == 0)
-        if ot_trial is not None:  # before Optuna is told: the sampler reads them from the finished trial
-            for name, (key, missing) in CONSTRAINTS.items():
-                ot_trial.set_constraint(name, float((result or {}).get(key, missing)))
+        if ot_trial is not None:  # before Optuna is told: the sampler reads the constraints of finished trials
+            record = replace(TrialResult.from_tune(result or {}), params=_params(result or {}),
+                             is_baseline=self._first_is_baseline and ot_trial.number == 0)
+            self._record(ot_trial, record)
         super().on_trial_complete(trial_id, result, error)
+
+    @staticmethod
+    def _record(ot_trial: Any, record: TrialResult) -> None:
+        """The record as the trial's user attributes, and its constraints (feasible when <= 0)."""
+        for key, value in record.to_attrs().items():
+            ot_trial.set_user_attr(key, value)
+        ot_trial.set_constraint("memory", record.constraint_mem)
+        ot_trial.set_constraint("quality", record.constraint_quality)
 
 
 def _params(result: dict[str, Any]) -> dict[str, Any]:

@@ -6,59 +6,51 @@ report can be regenerated at any time from the SQLite file alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from tuning.results import Objective, TrialResult
+
+__all__ = ["Objective", "TrialRow", "markdown", "pareto_front", "pick", "rows_from_study", "trial_table"]
 
 PICK_WITHIN = 0.05  # the balanced pick: best aggregate among trials within 5% of the best single stream
 PARAM_KEYS = ("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn", "n_gpu_layers")
 
 
-class Objective(str, Enum):
-    """The search's second objective; the first is always single-stream decode tok/s."""
-
-    aggregate = "aggregate"  # the 4-way aggregate (the mission's figure)
-    capacity = "capacity"  # the best aggregate up to the config's slots with every stream over a floor
-
-    @property
-    def key(self) -> str:
-        """The trial result's key for it."""
-        return f"{self.value}_tok_s"
-
-    @property
-    def label(self) -> str:
-        return "4-way aggregate tok/s" if self is Objective.aggregate else "capacity tok/s"
-
-
 @dataclass
 class TrialRow:
-    """One trial as the report shows it."""
+    """One finished trial of the study as the report shows it."""
 
     number: int
-    params: dict[str, Any]
-    attrs: dict[str, Any]
-    is_baseline: bool
+    result: TrialResult
     objective: Objective = Objective.aggregate
 
     @property
+    def params(self) -> dict[str, Any]:
+        return self.result.params
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.result.is_baseline
+
+    @property
     def single(self) -> float:
-        return float(self.attrs.get("single_tok_s", 0.0))
+        return self.result.single_tok_s
 
     @property
     def second(self) -> float:
         """The second objective's figure (4-way aggregate, or capacity)."""
-        return float(self.attrs.get(self.objective.key, 0.0))
+        return self.result.second(self.objective)
 
     @property
     def feasible(self) -> bool:
-        return bool(self.attrs.get("feasible", False))
+        return self.result.feasible
 
     @property
     def answered_from(self) -> int | None:
         """The trial whose measurement answered this proposal (the same engine config), if any."""
-        source = self.attrs.get("answered_from")
-        return int(source) if source is not None else None
+        return self.result.answered_from
 
     def label(self) -> str:
         p = self.params
@@ -70,14 +62,15 @@ class TrialRow:
 
 
 def rows_from_study(study: Any, objective: Objective = Objective.aggregate) -> list[TrialRow]:
-    """Finished trials of an optuna.Study, with the metrics the trials recorded as user attributes."""
+    """Finished trials of an optuna.Study, with the records the trials stored as user attributes."""
     rows = []
     for trial in study.trials:
         if trial.state.name != "COMPLETE":
             continue
-        attrs = dict(trial.user_attrs)
-        rows.append(TrialRow(trial.number, dict(attrs.get("params", trial.params)), attrs,
-                             bool(attrs.get("is_baseline", False)), objective))
+        result = TrialResult.from_attrs(dict(trial.user_attrs))
+        if not result.params:
+            result = replace(result, params=dict(trial.params))
+        rows.append(TrialRow(trial.number, result, objective))
     return rows
 
 
@@ -86,11 +79,10 @@ def weight_loads(rows: list[TrialRow]) -> tuple[int, float]:
     rejected before loading reports none, so the largest figure per actor counts)."""
     per_actor: dict[str, tuple[int, float]] = {}
     for r in rows:
-        actor = r.attrs.get("actor")
+        actor = r.result.actor
         if actor:
             loads, secs = per_actor.get(actor, (0, 0.0))
-            per_actor[actor] = (max(loads, int(r.attrs.get("weight_loads", 0))),
-                                max(secs, float(r.attrs.get("weight_load_s", 0.0))))
+            per_actor[actor] = (max(loads, r.result.weight_loads or 0), max(secs, r.result.weight_load_s or 0.0))
     return sum(v[0] for v in per_actor.values()), sum(v[1] for v in per_actor.values())
 
 
@@ -129,13 +121,13 @@ def _num(value: Any, fmt: str = ".1f") -> str:
 
 
 def _flags(row: TrialRow) -> str:
-    a = row.attrs
-    flags = [a[k] for k in ("rejected", "error") if a.get(k)]
+    r = row.result
+    flags = [text for text in (r.rejected, r.error) if text]
     if row.answered_from is not None:
         flags.append(f"answered from #{row.answered_from}")
-    if a.get("throttled"):
-        flags.append(f"throttled ({a.get('throttle_reasons')})")
-    if a.get("shared"):
+    if r.throttled:
+        flags.append(f"throttled ({r.throttle_reasons})")
+    if r.shared:
         flags.append("GPU shared")
     if row.is_baseline:
         flags.append("baseline")
@@ -143,8 +135,8 @@ def _flags(row: TrialRow) -> str:
 
 
 def trial_table(rows: list[TrialRow]) -> str:
-    capacity = any("capacity_tok_s" in r.attrs for r in rows)
-    copy = any("single_copy_tok_s" in r.attrs for r in rows)
+    capacity = any(r.result.capacity_tok_s is not None for r in rows)
+    copy = any(r.result.single_copy_tok_s is not None for r in rows)
     extra_head = (" capacity tok/s (streams) |" if capacity else "") + (" copy-set single tok/s |" if copy else "")
     extra_rule = "---|" * (capacity + copy)
     head = (f"| # | config | single tok/s | 4-way tok/s |{extra_head} TTFT ms | prefill tok/s | NLL delta "
@@ -152,13 +144,14 @@ def trial_table(rows: list[TrialRow]) -> str:
             f"|---|---|---|---|{extra_rule}---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        a = r.attrs
-        cap = f" {_num(a.get('capacity_tok_s'))} ({a.get('capacity_streams', '-')}) |" if capacity else ""
-        cap += f" {_num(a.get('single_copy_tok_s'))} |" if copy else ""
+        a = r.result
+        streams = a.capacity_streams if a.capacity_streams is not None else "-"
+        cap = f" {_num(a.capacity_tok_s)} ({streams}) |" if capacity else ""
+        cap += f" {_num(a.single_copy_tok_s)} |" if copy else ""
         lines.append(
-            f"| {r.number} | {r.label()} | {_num(r.single)} | {_num(a.get('aggregate_tok_s'))} |{cap} "
-            f"{_num(a.get('ttft_ms'))} | {_num(a.get('prefill_tok_s'), '.0f')} | {_num(a.get('nll_delta'), '+.4f')} "
-            f"| {_gib(a.get('mem_predicted'))} | {_gib(a.get('mem_measured'))} | {'yes' if r.feasible else 'no'} "
+            f"| {r.number} | {r.label()} | {_num(r.single)} | {_num(a.aggregate_tok_s)} |{cap} "
+            f"{_num(a.ttft_ms)} | {_num(a.prefill_tok_s, '.0f')} | {_num(a.nll_delta, '+.4f')} "
+            f"| {_gib(a.mem_predicted)} | {_gib(a.mem_measured)} | {'yes' if r.feasible else 'no'} "
             f"| {_flags(r)} |")
     return "\n".join(lines)
 
@@ -196,9 +189,9 @@ def best_curves(rows: list[TrialRow]) -> list[TrialRow]:
     """Per slot count, the feasible measured trial with the highest capacity: the curves worth drawing."""
     best: dict[int, TrialRow] = {}
     for r in rows:
-        if r.feasible and r.answered_from is None and r.attrs.get("capacity_curve"):
+        if r.feasible and r.answered_from is None and r.result.capacity_curve:
             slots = int(r.params.get("n_parallel", 0))
-            if slots not in best or r.attrs["capacity_tok_s"] > best[slots].attrs["capacity_tok_s"]:
+            if slots not in best or (r.result.capacity_tok_s or 0) > (best[slots].result.capacity_tok_s or 0):
                 best[slots] = r
     return [best[k] for k in sorted(best)]
 
@@ -216,11 +209,11 @@ def plot_capacity(rows: list[TrialRow], floor_tok_s: float, path: Path) -> bool:
 
     fig, (agg, slow) = plt.subplots(1, 2, figsize=(11, 4.5))
     for r in curves:
-        points = r.attrs["capacity_curve"]
-        streams = [p["streams"] for p in points]
+        points = r.result.capacity_curve or ()
+        streams = [p.streams for p in points]
         label = f"#{r.number} {r.label()}"
-        agg.plot(streams, [p["aggregate_tok_s"] for p in points], "-o", label=label)
-        slow.plot(streams, [p["slowest_tok_s"] for p in points], "-o", label=label)
+        agg.plot(streams, [p.aggregate_tok_s for p in points], "-o", label=label)
+        slow.plot(streams, [p.slowest_tok_s for p in points], "-o", label=label)
     slow.axhline(floor_tok_s, color="tab:red", linestyle="--", label=f"floor {floor_tok_s:g} tok/s")
     for ax, title in ((agg, "aggregate tok/s"), (slow, "slowest stream's decode tok/s")):
         ax.set_xscale("log", base=2)
@@ -246,7 +239,7 @@ def capacity_section(rows: list[TrialRow], plot_name: str) -> list[str]:
     curves = best_curves(rows)
     if not curves:
         return []
-    levels = sorted({p["streams"] for r in curves for p in r.attrs["capacity_curve"]})
+    levels = sorted({p.streams for r in curves for p in r.result.capacity_curve or ()})
     heads = " | ".join(f"{n} stream{'s' if n > 1 else ''}" for n in levels)
     out = ["## Capacity", "", f"![Capacity curves]({plot_name})", "",
            "Aggregate tok/s (slowest stream's decode tok/s) with that many streams at once, the best trial per "
@@ -254,10 +247,11 @@ def capacity_section(rows: list[TrialRow], plot_name: str) -> list[str]:
            f"| # | config | capacity tok/s (streams) | {heads} |",
            "|---|---|---|" + "---|" * len(levels)]
     for r in curves:
-        at = {p["streams"]: p for p in r.attrs["capacity_curve"]}
-        cells = [f"{at[n]['aggregate_tok_s']:.1f} ({at[n]['slowest_tok_s']:.1f})" if n in at else "" for n in levels]
-        out.append(f"| {r.number} | {r.label()} | {_num(r.attrs.get('capacity_tok_s'))} "
-                   f"({r.attrs.get('capacity_streams', '-')}) | " + " | ".join(cells) + " |")
+        at = {p.streams: p for p in r.result.capacity_curve or ()}
+        cells = [f"{at[n].aggregate_tok_s:.1f} ({at[n].slowest_tok_s:.1f})" if n in at else "" for n in levels]
+        streams = r.result.capacity_streams if r.result.capacity_streams is not None else "-"
+        out.append(f"| {r.number} | {r.label()} | {_num(r.result.capacity_tok_s)} ({streams}) | "
+                   + " | ".join(cells) + " |")
     return [*out, ""]
 
 

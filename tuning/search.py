@@ -236,17 +236,8 @@ def make_searcher(opts: SearchOptions, space: SearchSpace, contexts: list[int], 
         metric=["single_tok_s", opts.objective.key], mode=["max", "max"],
         points_to_evaluate=[baseline] if baseline else None,
         sampler=make_sampler(opts.sampler, opts.seed), study_name=study_name, storage=storage, seed=opts.seed,
-        recorded=RECORDED, first_is_baseline=baseline is not None, canonical=partial(to_engine_config, base=base),
+        first_is_baseline=baseline is not None, canonical=partial(to_engine_config, base=base),
     )
-
-
-RECORDED = ("single_tok_s", "aggregate_tok_s", "capacity_tok_s", "capacity_streams", "capacity_curve",
-            "single_copy_tok_s", "ttft_ms",
-            "prefill_tok_s", "nll", "nll_baseline", "nll_delta",
-            "mem_predicted", "mem_measured", "mem_budget", "constraint_mem", "constraint_quality", "feasible",
-            "rejected", "error", "setup_s", "held_s", "weight_loads", "weight_load_s", "actor", "sm_clock_mhz",
-            "mem_clock_mhz", "sm_clock_max_mhz", "temperature_c", "throttle_reasons", "throttled", "shared",
-            "time_total_s", "n_ctx")
 
 
 def open_storage(opts: SearchOptions) -> Any:
@@ -316,7 +307,7 @@ def finish(*, opts: SearchOptions, session: Session, storage: Any, study_name: s
     capacity_plot = "capacity.png" if opts.min_stream_tok_s is not None and report.plot_capacity(
         rows, opts.min_stream_tok_s, out_dir / "capacity.png") else None
     loads, load_s = report.weight_loads(rows)
-    answered = sum(1 for r in rows if "answered_from" in r.attrs)
+    answered = sum(1 for r in rows if r.answered_from is not None)
     loads_label = ("weight loads (the serving replicas' totals, their own start-up included)"
                    if session.app is not None else "weight loads (all actors)")
     context = {**context, "trials in study": len(rows),
@@ -448,11 +439,12 @@ def confirmation_measure(*, app: ServingApp | None, workload: Workload, on_gpu: 
 
     from tuning.confirm import Figures
     from tuning.objective import SpeedMeasure
+    from tuning.results import SpeedFigures
 
     requests = itertools.count(10**6, 1000)  # request numbers apart from the trials'
 
-    def figures(result: dict[str, Any]) -> Figures:
-        return Figures(float(result["single_tok_s"]), float(result[objective.key]))
+    def figures(result: SpeedFigures) -> Figures:
+        return Figures(result.single_tok_s, result.second(objective))
 
     if app is not None:
         from tuning.inplace import replica_speed

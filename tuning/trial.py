@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
@@ -21,7 +21,8 @@ from serving.config import EngineConfig
 from serving.engine import Engine, EngineError
 from tuning.device import DeviceProbe
 from tuning.memory import ModelShape, predict
-from tuning.objective import Runner, Workload, measure_engine
+from tuning.objective import Runner, SpeedMeasure, Workload, measure_engine
+from tuning.results import MeasuredRun, SpeedFigures, TrialResult
 from tuning.space import to_engine_config
 
 
@@ -45,47 +46,37 @@ class ConfigTrial(tune.Trainable):
     def setup(self, config: dict[str, Any], settings: TrialSettings) -> None:  # type: ignore[override]
         self.settings = settings
         self.actor = f"{socket.gethostname()}:{os.getpid()}"
-        self.measured: dict[EngineConfig, dict[str, Any]] = {}  # what this actor already measured, per config
+        self.measured: dict[EngineConfig, MeasuredRun] = {}  # what this actor already measured, per config
 
     def reset_config(self, new_config: dict[str, Any]) -> bool:
         self.config = new_config  # the engine stays: the next step rebuilds only what changed
         return True
 
     def step(self) -> dict[str, Any]:
+        """One trial; Ray Tune's result dict is the TrialResult's projection (tuning/results.py)."""
+        return {**self.trial().to_attrs(), "done": True}
+
+    def trial(self) -> TrialResult:
         s = self.settings
         config = to_engine_config(self.config, s.base)
         predicted = predict(s.shape, config, s.on_gpu)
-        result: dict[str, Any] = {
-            "done": True, "actor": self.actor, "params": dict(self.config), "n_ctx": config.n_ctx,
-            "n_ubatch_used": config.n_ubatch,
-            "mem_predicted": predicted.total, "mem_budget": s.budget_bytes, "single_tok_s": 0.0,
-            "aggregate_tok_s": 0.0, "rejected": "", "error": "",
-            **({"capacity_tok_s": 0.0} if s.workload.min_stream_tok_s is not None else {}),
-        }
+        result = TrialResult(params=dict(self.config), n_ctx=config.n_ctx, mem_predicted=predicted.total,
+                             mem_budget=s.budget_bytes, actor=self.actor,
+                             capacity_tok_s=0.0 if s.workload.min_stream_tok_s is not None else None)
         if predicted.total > s.budget_bytes:
-            result["rejected"] = "predicted memory over budget"
-            return {**result, **self._constraints(predicted.total, None)}
-        if config in self.measured:  # different parameters, same engine (e.g. n_ubatch clamped): no re-run
-            result.update(self.measured[config], reused=True)
-            return {**result, **self._constraints(result["mem_measured"], result["nll_delta"])}
-        try:
-            self.measured[config] = self._measure(config)
-            result.update(self.measured[config])
-        except (EngineError, RuntimeError) as exc:
-            result["error"] = str(exc)
-            return {**result, **self._constraints(None, None)}
-        return {**result, **self._constraints(result["mem_measured"], result["nll_delta"])}
+            result = replace(result, rejected="predicted memory over budget")
+        elif config in self.measured:  # different parameters, same engine (e.g. n_ubatch clamped): no re-run
+            result = result.measured(self.measured[config], reused=True)
+        else:
+            try:
+                self.measured[config] = self._measure(config)
+                result = result.measured(self.measured[config])
+            except (EngineError, RuntimeError) as exc:
+                result = replace(result, error=str(exc))
+        return result.constrained(s.budget_bytes, s.max_quality_loss)
 
-    def _measure(self, config: EngineConfig) -> dict[str, Any]:
+    def _measure(self, config: EngineConfig) -> MeasuredRun:
         raise NotImplementedError
-
-    def _constraints(self, mem: int | None, nll_delta: float | None) -> dict[str, float]:
-        """Optuna constraint values: feasible when <= 0. A trial that could not run violates both."""
-        s = self.settings
-        mem_c = float(mem - s.budget_bytes) if mem is not None else 1e18
-        quality_c = float(nll_delta - s.max_quality_loss) if nll_delta is not None else 1e9
-        return {"constraint_mem": mem_c, "constraint_quality": quality_c,
-                "feasible": mem_c <= 0 and quality_c <= 0}
 
     def save_checkpoint(self, checkpoint_dir: str) -> None:
         """A trial is one measurement: nothing to resume from (the study itself persists in Optuna)."""
@@ -106,7 +97,7 @@ class EngineTrial(ConfigTrial):
         self.probe = DeviceProbe(settings.on_gpu)
         self.baseline_nll: float | None = None
 
-    def _measure(self, config: EngineConfig) -> dict[str, Any]:
+    def _measure(self, config: EngineConfig) -> MeasuredRun:
         t0 = time.perf_counter()
         if self.engine is None:
             self.probe.mark_baseline()
@@ -115,8 +106,8 @@ class EngineTrial(ConfigTrial):
             self.engine.reconfigure(config)
         rebuild_s = time.perf_counter() - t0
         measured = measure_engine(self.engine, self.runner, self.probe, self.baseline_nll)
-        self.baseline_nll = measured["nll_baseline"]
-        return {**measured, "setup_s": rebuild_s}
+        self.baseline_nll = measured.nll_baseline
+        return MeasuredRun(measurement=measured, setup_s=rebuild_s)
 
     def cleanup(self) -> None:
         if self.engine is not None:
@@ -131,13 +122,12 @@ class ConfirmEngine:
     def __init__(self) -> None:
         self.engine: Engine | None = None
 
-    def measure(self, config: EngineConfig, measure: Any) -> dict[str, Any]:
+    def measure(self, config: EngineConfig, measure: SpeedMeasure) -> SpeedFigures:
         if self.engine is None:
             self.engine = Engine(config)
         elif config != self.engine.config:
             self.engine.reconfigure(config)
-        result: dict[str, Any] = measure(self.engine)
-        return result
+        return measure(self.engine)
 
     def close(self) -> None:
         if self.engine is not None:
