@@ -2,8 +2,9 @@
 # make-bundle.sh OUT_DIR
 # Run on a machine WITH PyPI access. Collects the cp312 manylinux x86_64 wheels that the lent GPU machine
 # (image 'cuda', Python 3.12, no pip index) lacks for the Ray Serve + Ray Tune + llama-cpp-python stack,
-# strips the ray wheel (ray/jars: 32 MB of Java-worker jars; ray/dashboard/client/build: the dashboard's web
-# UI, 2.5 MB, which nothing can open on the device) and prints the bundle's size.
+# strips the ray wheel (ray/jars: 32 MB of Java-worker jars; ray/rllib and ray/llm, never imported here;
+# ray/dashboard/client/build: the dashboard's web UI, 2.5 MB, which nothing can open on the device) and
+# prints the bundle's size.
 # Carry OUT_DIR to the device (run tool: carry, 64 MiB per call) and install it there with install-bundle.sh.
 #
 # Overridable through the environment:
@@ -88,7 +89,9 @@ echo "resolved $(wc -l < "$TMP/pins.txt") packages the device lacks:"; tr '\n' '
 "$PYTHON" -m pip download -q --no-deps "${PLAT[@]}" -d "$TMP/dl" -r "$TMP/pins.txt"
 
 # 4. Strip the ray wheel and rewrite its RECORD without the dropped files (file mode bits kept).
-DROP="ray/jars/"
+# ray/rllib (1.6 MiB) and ray/llm (Ray Serve LLM, 0.3 MiB) are never imported by Serve, Tune or this project;
+# without them the bundle, the trimmed sdist, the tokenizer and the repo fit one 64 MiB call
+DROP="ray/jars/ ray/rllib/ ray/llm/"
 if [ "$STRIP_UI" = 1 ]; then DROP="$DROP ray/dashboard/client/build/"; fi
 for w in "$TMP"/dl/ray-*.whl; do
   [ -e "$w" ] || continue
