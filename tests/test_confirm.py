@@ -56,3 +56,30 @@ def test_a_lead_inside_the_spread_is_reported_as_within_noise() -> None:
     verdict = decide(confirmed, "aggregate")
     assert verdict.pick.candidate.number == 7 and verdict.within_noise
     assert "**within noise**" in markdown(confirmed, verdict, _candidates()[2], 3)
+
+
+def test_within_noise_the_config_using_less_memory_is_picked() -> None:
+    """np4 and np8 reach the same aggregate within noise: the pick is the one that costs less memory, whichever
+    drew the higher median; a clear lead still wins whatever its memory."""
+    big, small = EngineConfig(n_parallel=8, n_ctx=16384), EngineConfig(n_parallel=4, n_ctx=8192)
+    gib = 2**30
+    candidates = [Candidate(17, "np8", big, memory=24 * gib), Candidate(47, "np4", small, memory=18 * gib),
+                  Candidate(0, "base", BASE, is_baseline=True, memory=16 * gib)]
+    figures = {big: [(100, 232), (100, 229), (100, 236)], small: [(100, 230), (100, 228), (100, 233)],
+               BASE: [(100, 160), (100, 160), (100, 160)]}
+    calls = {c: 0 for c in figures}
+
+    def measure(config: EngineConfig) -> Figures:
+        single, second = figures[config][calls[config]]
+        calls[config] += 1
+        return Figures(single, second)
+
+    confirmed = confirm(candidates, reference=2, rounds=3, measure=measure)
+    verdict = decide(confirmed, "balanced")
+    assert verdict.pick.candidate.number == 47 and verdict.by_memory and verdict.within_noise
+    assert verdict.runner_up is not None and verdict.runner_up.candidate.number == 17
+    assert "picked for its memory (18.00 GiB against 24.00 GiB)" in markdown(confirmed, verdict, candidates[2], 3)
+    figures[big] = [(100, 260), (100, 262), (100, 259)]  # a lead outside the noise: the bigger one
+    calls = {c: 0 for c in figures}
+    clear = decide(confirm(candidates, reference=2, rounds=3, measure=measure), "balanced")
+    assert clear.pick.candidate.number == 17 and not clear.by_memory and not clear.within_noise

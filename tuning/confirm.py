@@ -28,6 +28,7 @@ class Candidate:
     label: str
     config: EngineConfig
     is_baseline: bool = False
+    memory: int = 0  # bytes the trial measured (else predicted): what a tie within noise is decided on
 
 
 @dataclass(frozen=True)
@@ -89,25 +90,36 @@ class Verdict:
     runner_up: Confirmed | None
     metric: str  # the ratio the pick was decided on: "single" or "second"
     within_noise: bool
+    by_memory: bool = False  # the best on the metric was within noise of a cheaper config, which was picked
 
 
 def decide(confirmed: list[Confirmed], prefer: str) -> Verdict:
     """The pick on median paired ratios (same rule as the search's pick), among non-baseline candidates
-    when there are any."""
+    when there are any. Candidates whose range of ratios reaches the best one's are a tie within noise: of
+    those, the one using the least memory is picked, then the faster single stream (np4 and np8 reaching the
+    same aggregate should not cost 6 GiB more because one run drew the higher figure)."""
     pool = [c for c in confirmed if not c.candidate.is_baseline] or confirmed
     if prefer == "single":
-        metric, ranked = "single", sorted(pool, key=lambda c: (c.median("single"), c.median("second")))
-    elif prefer == "aggregate":
-        metric, ranked = "second", sorted(pool, key=lambda c: (c.median("second"), c.median("single")))
+        metric, eligible = "single", pool
     else:
-        best_single = max(c.median("single") for c in pool)
-        near = [c for c in pool if c.median("single") >= (1 - PICK_WITHIN) * best_single]
-        metric = "second"
-        ranked = sorted(near, key=lambda c: (c.median("second"), c.median("single")))
-        ranked = [c for c in pool if c not in near] + ranked
-    pick, runner_up = ranked[-1], (ranked[-2] if len(ranked) > 1 else None)
-    overlap = runner_up is not None and runner_up.spread(metric)[1] >= pick.spread(metric)[0]
-    return Verdict(pick, runner_up, metric, overlap)
+        metric, eligible = "second", pool
+        if prefer != "aggregate":  # balanced: among those within 5% of the best single stream
+            best_single = max(c.median("single") for c in pool)
+            eligible = [c for c in pool if c.median("single") >= (1 - PICK_WITHIN) * best_single]
+    other = "second" if metric == "single" else "single"
+    ranked = sorted(eligible, key=lambda c: (c.median(metric), c.median(other)))
+    best = ranked[-1]
+    ties = [c for c in ranked if c.spread(metric)[1] >= best.spread(metric)[0]]
+    pick = min(ties, key=lambda c: (c.candidate.memory, -c.median("single"), -ranked.index(c)))
+    order = [c for c in pool if c not in eligible] + ranked
+    runner_up = next((c for c in reversed(order) if c is not pick), None)
+    overlap = runner_up is not None and _overlap(pick, runner_up, metric)
+    return Verdict(pick, runner_up, metric, overlap, by_memory=pick is not best)
+
+
+def _overlap(a: Confirmed, b: Confirmed, metric: str) -> bool:
+    (a_low, a_high), (b_low, b_high) = a.spread(metric), b.spread(metric)
+    return a_high >= b_low and b_high >= a_low
 
 
 def markdown(confirmed: list[Confirmed], verdict: Verdict, reference: Candidate, rounds: int,
@@ -131,6 +143,9 @@ def markdown(confirmed: list[Confirmed], verdict: Verdict, reference: Candidate,
     else:
         noise = ("**within noise**: its range of ratios overlaps the runner-up's, so the two are not told apart "
                  "by these rounds" if verdict.within_noise else "ahead of the runner-up in every round's range")
+        if verdict.by_memory:
+            noise += (f"; picked for its memory ({verdict.pick.candidate.memory / 2**30:.2f} GiB against "
+                      f"{verdict.runner_up.candidate.memory / 2**30:.2f} GiB): within noise, the cheaper config")
         metric = "single-stream" if verdict.metric == "single" else second_label
         lines.append(f"Pick: trial {verdict.pick.candidate.number} on the {metric} ratio "
                      f"({verdict.pick.median(verdict.metric):.3f} vs {verdict.runner_up.median(verdict.metric):.3f} "

@@ -414,8 +414,8 @@ def confirm_pick(opts: SearchOptions, rows: list[Any], winner: Any, base: Engine
     chosen = confirmation_candidates(rows, winner, base, opts.confirm_top, opts.prefer)
     if len(chosen) < 2:
         return None
-    candidates = [confirm.Candidate(r.number, r.label(), to_engine_config(r.params, base), r.is_baseline)
-                  for r in chosen]
+    candidates = [confirm.Candidate(r.number, r.label(), to_engine_config(r.params, base), r.is_baseline,
+                                    memory=r.result.mem_measured or r.result.mem_predicted) for r in chosen]
     reference = next((i for i, c in enumerate(candidates) if c.is_baseline), 0)  # else the search's pick
     print(f"confirmation: {len(candidates)} candidates x {opts.confirm_rounds} rounds, interleaved")
     with confirmation_measure(app=app, workload=settings.workload, on_gpu=settings.on_gpu, study=study_name,
