@@ -23,8 +23,9 @@ from serving.tools import ToolCall, ToolCallStream
 Piece = Callable[[int], bytes]  # a token id's bytes (the engine's token_piece)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """An answer's id as OpenAI spells it: `chatcmpl-...`, `cmpl-...`; the Responses API's `resp_...`, `msg_...`."""
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 def usage_dict(usage: Usage | None) -> dict[str, Any]:
@@ -285,7 +286,7 @@ class ResponsesAnswer:
 
     def __init__(self, model: str, request: dict[str, Any]) -> None:
         self.model, self.request = model, request
-        self.id, self.item_id = new_id("resp"), new_id("msg")
+        self.id, self.item_id = new_id("resp", "_"), new_id("msg", "_")
         self.created = int(time.time())
         self._seq = 0
 

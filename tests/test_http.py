@@ -757,3 +757,12 @@ def test_scripted_chunked_body_over_the_limit_is_a_json_413(scripted: Any) -> No
 
     resp = scripted.http.post(COMP, content=chunks(), headers={"content-type": "application/json"})
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+
+
+def test_scripted_responses_ids_are_spelled_as_openai_spells_them(scripted: Any) -> None:
+    body = scripted.http.post("/v1/responses", json={"input": "Hi"}).json()
+    assert body["id"].startswith("resp_") and body["output"][0]["id"].startswith("msg_")
+    events = [json.loads(line[6:]) for line in scripted.http.post("/v1/responses", json={
+        "input": "Hi", "stream": True}).text.splitlines() if line.startswith("data: ")]
+    ids = {e["response"]["id"] for e in events if "response" in e}
+    assert len(ids) == 1 and ids.pop().startswith("resp_")

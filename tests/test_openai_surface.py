@@ -249,6 +249,7 @@ def test_responses_api_text_in_and_out(client: openai.OpenAI, model: str) -> Non
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert "".join(deltas) == final.output_text == whole.output_text
+    assert whole.id.startswith("resp_") and whole.output[0].id.startswith("msg_") and final.id.startswith("resp_")
 
 
 def test_unimplemented_fields_are_refused_by_name(client: openai.OpenAI, model: str) -> None:
