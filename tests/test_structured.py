@@ -93,14 +93,39 @@ def test_grammars_compile_and_bad_schemas_say_why() -> None:
 
 
 def test_forced_call_schemas_get_length_bounds() -> None:
-    from serving.structured import MAX_CALL_ITEMS, MAX_CALL_STRING, bounded
+    from serving.structured import CALL_BOUNDS, bounded
 
     schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string", "enum": ["x"]},
                                                "c": {"type": "array", "items": {"type": "string", "maxLength": 3}}}}
-    out = bounded(schema)
-    assert out["properties"]["a"]["maxLength"] == MAX_CALL_STRING and "maxLength" not in out["properties"]["b"]
-    assert out["properties"]["c"]["maxItems"] == MAX_CALL_ITEMS and out["properties"]["c"]["items"]["maxLength"] == 3
+    out = bounded(schema, CALL_BOUNDS)
+    assert out["properties"]["a"]["maxLength"] == CALL_BOUNDS.string and "maxLength" not in out["properties"]["b"]
+    assert out["properties"]["c"]["maxItems"] == CALL_BOUNDS.items and out["properties"]["c"]["items"]["maxLength"] == 3
     assert "maxLength" not in schema["properties"]["a"]  # the caller's schema is left as it was
+
+
+def test_bounds_keep_what_the_schema_says() -> None:
+    """A default never makes a schema unsatisfiable (minLength over it), JSON values (enum, const) are not
+    schemas, and a property may be named like a keyword."""
+    from serving.structured import ANSWER_BOUNDS, bounded
+
+    schema = {"type": "object", "properties": {
+        "long": {"type": "string", "minLength": 5000}, "many": {"type": "array", "minItems": 100},
+        "enum": {"type": "string"}, "pick": {"enum": [{"type": "string"}]}, "mine": {"type": "string", "maxLength": 9}}}
+    props = bounded(schema, ANSWER_BOUNDS)["properties"]
+    assert props["long"]["maxLength"] == 5000 and props["many"]["maxItems"] == 100
+    assert props["enum"]["maxLength"] == ANSWER_BOUNDS.string and props["pick"] == {"enum": [{"type": "string"}]}
+    assert props["mine"]["maxLength"] == 9
+
+
+def test_answer_schemas_are_bounded_too() -> None:
+    """response_format json_schema (and llama-server's json_schema) get bounds where the schema sets none,
+    so an answer closes on its own; a bound the client set is its own."""
+    from serving.structured import ANSWER_BOUNDS
+
+    assert json_schema_grammar({"type": "string"}) == json_schema_grammar({"type": "string",
+                                                                             "maxLength": ANSWER_BOUNDS.string})
+    assert response_format_grammar("json_schema", {"type": "string"}) == json_schema_grammar({"type": "string"})
+    assert json_schema_grammar({"type": "string", "maxLength": 3}) != json_schema_grammar({"type": "string"})
 
 
 def test_chat_template_sees_tools_and_template_kwargs() -> None:
