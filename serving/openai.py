@@ -561,7 +561,13 @@ class ToolPlan:
 
 def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
     """tool_choice: `none` hides the tools; `auto` shows them and reads calls back; `required` and a named
-    function also constrain decoding with a grammar, so the call is well formed and its arguments fit."""
+    function also constrain decoding with a grammar, so the call is well formed and its arguments fit.
+
+    A forced answer is one call unless the client sent `parallel_tool_calls: true` (then up to
+    MAX_PARALLEL_CALLS). Unset is one call, as llama-server long defaulted and as a named function always is,
+    though OpenAI's default is true: a grammar that lets a small model go on calling lets it repeat the same
+    call until max_tokens cuts it, and the client that forced a call gets a cut answer. One call, the grammar
+    ends after its `</tool_call>` and so does the answer (`finish_reason: "tool_calls"`)."""
     choice = body.tool_choice or ("auto" if body.tools else "none")
     if not body.tools:
         if choice not in ("none", "auto"):
@@ -579,7 +585,7 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
     grammar = None
     if choice != "auto":
         try:
-            grammar = tool_call_grammar(functions, parallel=body.parallel_tool_calls and len(functions) > 0
+            grammar = tool_call_grammar(functions, parallel=body.parallel_tool_calls is True
                                         and not isinstance(choice, NamedToolChoice))
         except GrammarError as exc:
             raise APIError(400, f"a tool's parameters: {exc}", param="tools") from exc

@@ -766,3 +766,18 @@ def test_scripted_responses_ids_are_spelled_as_openai_spells_them(scripted: Any)
         "input": "Hi", "stream": True}).text.splitlines() if line.startswith("data: ")]
     ids = {e["response"]["id"] for e in events if "response" in e}
     assert len(ids) == 1 and ids.pop().startswith("resp_")
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+FORCED = {"messages": MSG, "tools": [WEATHER_TOOL], "tool_choice": "required"}
+
+
+@pytest.mark.parametrize("parallel,repeats", [(None, False), (False, False), (True, True)])
+def test_scripted_forced_calls_repeat_only_when_parallel_calls_are_asked_for(scripted: Any, parallel: bool | None,
+                                                                              repeats: bool) -> None:
+    """tool_choice required: one call unless parallel_tool_calls is true (see plan_tools for why)."""
+    body = {**FORCED, **({} if parallel is None else {"parallel_tool_calls": parallel})}
+    assert scripted.http.post(CHAT, json=body).status_code == 200
+    grammar = scripted.engine.params[-1].grammar
+    assert grammar.startswith("root ::= block") and ('("\\n" block)' in grammar) == repeats
