@@ -176,7 +176,7 @@ if __name__ != "__main__":  # loaded by schemathesis as its hooks module
     try:
         import schemathesis
     except ImportError:  # imported by the unit tests without schemathesis installed
-        schemathesis = None  # type: ignore[assignment]
+        schemathesis = None  # type: ignore[assignment,unused-ignore]
 
     if schemathesis is not None and os.environ.get(CAP_ENV):
         _CAP = int(os.environ[CAP_ENV])
