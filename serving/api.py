@@ -305,7 +305,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = Field(None, description="with tool_choice required: true allows several "
+                                             "calls; unset or false, one (serving/openai.py plan_tools)")
     reasoning_format: ReasoningFormat = Field(ReasoningFormat.auto, description="llama-server's: none leaves "
                                               "<think> text in the content; auto/deepseek move it to "
                                               "reasoning_content")

@@ -42,7 +42,7 @@ from serving.request import (FinishReason, GenerationChunk, RequestHandle, Sampl
                              unpaced)
 from serving.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
 from serving.structured import GrammarError, tool_call_grammar
-from serving.tools import messages_for_plain_template
+from serving.tools import CallMode, messages_for_plain_template
 
 if TYPE_CHECKING:
     from serving.engine import Engine
@@ -392,7 +392,7 @@ class OpenAIRoutes:
         handles = self._submit(engine, tokens, params, body.n, param="messages")
         reasoning = body.reasoning_format != ReasoningFormat.none
         thinking_open = reasoning and prompt.rstrip().endswith(THINK_START)
-        states = [ChoiceState(i, reasoning=reasoning, thinking_open=thinking_open, tools=plan.parse)
+        states = [ChoiceState(i, reasoning=reasoning, thinking_open=thinking_open, tools=plan.calls)
                   for i in range(len(handles))]
         config = engine.config
         response = ChatResponse(config.served_name, engine.token_piece, body.logprobs, config.fingerprint())
@@ -552,16 +552,23 @@ class OpenAIRoutes:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a request's tools mean for rendering (tools shown), decoding (a grammar) and reading (parse)."""
+    """What a request's tools mean for rendering (tools shown), decoding (a grammar) and reading (how calls
+    are read back; None: not at all)."""
 
     tools: list[dict[str, Any]] | None = None
     grammar: str | None = None
-    parse: bool = False
+    calls: CallMode | None = None
 
 
 def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
     """tool_choice: `none` hides the tools; `auto` shows them and reads calls back; `required` and a named
-    function also constrain decoding with a grammar, so the call is well formed and its arguments fit."""
+    function also constrain decoding with a grammar, so the call is well formed and its arguments fit.
+
+    A forced answer is one call unless the client sent `parallel_tool_calls: true` (then up to
+    MAX_PARALLEL_CALLS). Unset is one call, as llama-server long defaulted and as a named function always is,
+    though OpenAI's default is true: a grammar that lets a small model go on calling lets it repeat the same
+    call until max_tokens cuts it, and the client that forced a call gets a cut answer. One call, the grammar
+    ends after its `</tool_call>` and so does the answer (`finish_reason: "tool_calls"`)."""
     choice = body.tool_choice or ("auto" if body.tools else "none")
     if not body.tools:
         if choice not in ("none", "auto"):
@@ -579,11 +586,11 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
     grammar = None
     if choice != "auto":
         try:
-            grammar = tool_call_grammar(functions, parallel=body.parallel_tool_calls and len(functions) > 0
+            grammar = tool_call_grammar(functions, parallel=body.parallel_tool_calls is True
                                         and not isinstance(choice, NamedToolChoice))
         except GrammarError as exc:
             raise APIError(400, f"a tool's parameters: {exc}", param="tools") from exc
-    return ToolPlan(tools, grammar, parse=True)
+    return ToolPlan(tools, grammar, CallMode.auto if grammar is None else CallMode.forced)
 
 
 def _check_request(engine: Engine, body: Any) -> None:

@@ -4,8 +4,11 @@ OpenAI frames them, or whole. Pure data (no FastAPI, no engine): the routes feed
 Stream and whole answer are built by the same `ChoiceState`, so they agree by construction: a whole
 answer is the concatenation of what the stream would have sent. Chat streams are framed as OpenAI frames
 them: per choice a first chunk with the role and empty content, then content (and reasoning_content)
-deltas, tool calls (each whole, in one delta), a last chunk with the finish reason and an empty delta; then,
-when asked, a usage chunk with no choices; then `[DONE]` (the routes add that).
+deltas, tool call deltas (a call's id and name first, then its arguments as they are generated), a last
+chunk with the finish reason and an empty delta; then, when asked, a usage chunk with no choices; then
+`[DONE]` (the routes add that). The one place they differ: a call cut by max_tokens before its arguments
+closed has had its start streamed, while the whole answer carries only the calls that completed
+(serving/tools.py); `finish_reason: "length"` says so in both.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ from typing import Any
 
 from serving.reasoning import ThinkSplitter
 from serving.request import FinishReason, GenerationChunk, TokenLogprob, Usage
-from serving.tools import ToolCall, ToolCallStream
+from serving.tools import CallMode, CallPiece, ToolCall, ToolCallStream, join_pieces
 
 Piece = Callable[[int], bytes]  # a token id's bytes (the engine's token_piece)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """An answer's id as OpenAI spells it: `chatcmpl-...`, `cmpl-...`; the Responses API's `resp_...`, `msg_...`."""
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 def usage_dict(usage: Usage | None) -> dict[str, Any]:
@@ -75,31 +79,35 @@ class Delta:
     content: str = ""
     reasoning: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[CallPiece] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.logprobs or self.tool_calls)
 
 
 class ChoiceState:
-    """One choice: splits reasoning off (when asked), holds back what may be a tool call (when tools are
-    on), and keeps the totals for the whole answer."""
+    """One choice: splits reasoning off (when asked), reads tool calls out as they come (when tools are on,
+    in their `CallMode`), and keeps the totals for the whole answer."""
 
     def __init__(self, index: int, *, reasoning: bool = False, thinking_open: bool = False,
-                 tools: bool = False) -> None:
+                 tools: CallMode | None = None) -> None:
         self.index = index
         self._think = ThinkSplitter(thinking_open) if reasoning else None
-        self._calls = ToolCallStream() if tools else None
+        self._calls = ToolCallStream(tools) if tools is not None else None
         self.content, self.reasoning = "", ""
         self.logprobs: list[TokenLogprob] = []
-        self.tool_calls: list[ToolCall] = []
         self.finish: str | None = None
         self.usage: Usage | None = None
 
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls that completed (a call cut by max_tokens is not one)."""
+        return self._calls.calls if self._calls is not None else []
+
     def feed(self, chunk: GenerationChunk) -> Delta:
         """A chunk in; what to send for it out. On the last chunk, everything still held is released."""
-        reasoning, content = self._split(chunk.text)
-        delta = Delta(content, reasoning, list(chunk.logprobs))
+        reasoning, content, calls = self._split(chunk.text)
+        delta = Delta(content, reasoning, list(chunk.logprobs), calls)
         if chunk.finish_reason is not None:
             delta = self._merge(delta, self._release())
             self.finish = finish_reason(chunk)
@@ -111,25 +119,25 @@ class ChoiceState:
         self.logprobs += delta.logprobs
         return delta
 
-    def _split(self, text: str) -> tuple[str, str]:
+    def _split(self, text: str) -> tuple[str, str, list[CallPiece]]:
         reasoning, content = self._think.feed(text) if self._think is not None else ("", text)
-        if self._calls is not None:
-            content = self._calls.feed(content)
-        return reasoning, content
+        if self._calls is None:
+            return reasoning, content, []
+        content, calls = self._calls.feed(content)
+        return reasoning, content, calls
 
     def _release(self) -> Delta:
         reasoning, content = self._think.finish() if self._think is not None else ("", "")
         if self._calls is None:
             return Delta(content, reasoning)
-        content = self._calls.feed(content)
-        rest, calls = self._calls.finish()
-        self.tool_calls = calls
-        return Delta(content + rest, reasoning, tool_calls=calls)
+        content, calls = self._calls.feed(content)
+        rest, more = self._calls.finish()
+        return Delta(content + rest, reasoning, tool_calls=calls + more)
 
     @staticmethod
     def _merge(a: Delta, b: Delta) -> Delta:
         return Delta(a.content + b.content, a.reasoning + b.reasoning, a.logprobs + b.logprobs,
-                     a.tool_calls + b.tool_calls)
+                     join_pieces(a.tool_calls + b.tool_calls))
 
 
 def total_usage(choices: list[ChoiceState], prompts: int) -> Usage:
@@ -180,8 +188,7 @@ class ChatResponse:
         if body or logprobs:
             out.append(self._chunk(state.index, body, logprobs))
         if delta.tool_calls:
-            out.append(self._chunk(state.index, {"tool_calls": [{"index": i, **c.as_openai()}
-                                                                for i, c in enumerate(delta.tool_calls)]}))
+            out.append(self._chunk(state.index, {"tool_calls": [p.as_openai() for p in delta.tool_calls]}))
         if state.finish is not None or (state.usage is not None):
             out.append(self._chunk(state.index, {}, None, state.finish))
         return out
@@ -285,7 +292,7 @@ class ResponsesAnswer:
 
     def __init__(self, model: str, request: dict[str, Any]) -> None:
         self.model, self.request = model, request
-        self.id, self.item_id = new_id("resp"), new_id("msg")
+        self.id, self.item_id = new_id("resp", "_"), new_id("msg", "_")
         self.created = int(time.time())
         self._seq = 0
 

@@ -9,6 +9,7 @@ are in docs/performance.md ("Constrained decoding").
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from serving.llama import JSON_GBNF, SchemaConverter
@@ -31,8 +32,59 @@ def schema_rules(schema: Any, rule: str = "") -> tuple[str, str]:
         raise GrammarError(f"the JSON schema cannot be compiled to a grammar: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """Length bounds given to the strings and arrays of a schema that set none (see `bounded`)."""
+
+    string: int  # characters
+    items: int
+
+
+CALL_BOUNDS = Bounds(string=256, items=32)  # a forced call's arguments: names, cities, queries
+ANSWER_BOUNDS = Bounds(string=1000, items=64)  # an answer's fields; 1000: the longest llama.cpp parses
+MAX_PARALLEL_CALLS = 8  # calls in one forced answer with parallel_tool_calls: true
+_VALUES = frozenset({"enum", "const", "default", "examples"})  # JSON values, not schemas: left as they are
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def bounded(schema: Any, bounds: Bounds) -> Any:
+    """The schema with a length bound on every string and array that has none; a bound the schema sets is
+    kept (and a default never undercuts its minLength / minItems).
+
+    A constrained answer must end: a sampled string can otherwise run on until max_tokens and leave the
+    JSON unfinished, which a small model does (greedy, it repeats itself inside a string). Bounded, an
+    answer whose schema is all bounded closes on its own, within max_tokens when they allow its size.
+    """
+    if isinstance(schema, list):
+        return [bounded(s, bounds) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_member(k, v, bounds) for k, v in schema.items()}
+    kind = out.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "string" in kinds and not {"enum", "const", "pattern", "format", "maxLength"} & out.keys():
+        out["maxLength"] = max(bounds.string, _int(out.get("minLength")))
+    if "array" in kinds and "maxItems" not in out:
+        out["maxItems"] = max(bounds.items, _int(out.get("minItems")))
+    return out
+
+
+def _bounded_member(key: str, value: Any, bounds: Bounds) -> Any:
+    if key in _VALUES:
+        return value
+    if key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: a property may be named "enum"
+        return {name: bounded(sub, bounds) for name, sub in value.items()}
+    return bounded(value, bounds)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def json_schema_grammar(schema: Any) -> str:
-    return schema_rules(schema)[0]
+    """The grammar of an answer that validates against `schema`, its strings and arrays bounded
+    (ANSWER_BOUNDS where the schema sets no bound)."""
+    return schema_rules(bounded(schema, ANSWER_BOUNDS))[0]
 
 
 def response_format_grammar(kind: str, schema: Any | None = None) -> str | None:
@@ -48,40 +100,15 @@ def response_format_grammar(kind: str, schema: Any | None = None) -> str | None:
     raise GrammarError(f"unknown response_format type {kind!r}")
 
 
-MAX_CALL_STRING = 256  # characters of a string argument that set no maxLength
-MAX_CALL_ITEMS = 32  # items of an array argument that sets no maxItems
-MAX_PARALLEL_CALLS = 8  # calls in one forced answer with parallel_tool_calls
-
-
-def bounded(schema: Any) -> Any:
-    """The schema with a length bound on every string and array that has none.
-
-    A forced call must end: a sampled string can otherwise run on until max_tokens and leave the call
-    unfinished, which a small model does at high temperature. Bounded, every call closes well within a
-    slot. Only forced calls get this; response_format schemas are taken as given.
-    """
-    if isinstance(schema, list):
-        return [bounded(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: bounded(v) for k, v in schema.items()}
-    kind = out.get("type")
-    kinds = kind if isinstance(kind, list) else [kind]
-    if "string" in kinds and not {"enum", "const", "pattern", "format", "maxLength"} & out.keys():
-        out["maxLength"] = MAX_CALL_STRING
-    if "array" in kinds and "maxItems" not in out:
-        out["maxItems"] = MAX_CALL_ITEMS
-    return out
-
-
 def tool_call_grammar(functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
-    """A grammar for one (or, with `parallel`, one or more) Hermes-style calls:
+    """A grammar for one Hermes-style call (or, with `parallel`, up to MAX_PARALLEL_CALLS):
     <tool_call>\\n{"name": <one of the functions>, "arguments": <its parameters>}\\n</tool_call>,
-    the parameters bounded (see `bounded`)."""
+    the parameters bounded (CALL_BOUNDS). Once its last call can close, only end-of-generation follows
+    (llama.cpp's grammar sampler allows nothing else), so one call ends the answer right after it."""
     if not functions:
         raise GrammarError("tool_choice needs at least one tool")
     variants = [{"type": "object", "properties": {"name": {"const": name},
-                                                  "arguments": bounded(params or {"type": "object"})},
+                                                  "arguments": bounded(params or {"type": "object"}, CALL_BOUNDS)},
                  "required": ["name", "arguments"], "additionalProperties": False} for name, params in functions]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     rules, call = schema_rules(schema, "call")

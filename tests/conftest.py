@@ -62,7 +62,7 @@ def wait_idle(url: str, timeout: float = 120.0) -> dict[str, Any]:
 
 
 # -- every test that collects a generation fails on an error chunk or error event --------------------
-FINISHED = ("stop", "length")
+FINISHED = ("stop", "length", "tool_calls")
 
 
 def sse_events(lines: Iterable[str], allow_error: bool = False) -> list[dict[str, Any]]:
@@ -87,7 +87,8 @@ def sse_events(lines: Iterable[str], allow_error: bool = False) -> list[dict[str
 
 
 def assert_generated(body: dict[str, Any]) -> dict[str, Any]:
-    """A whole (non-streamed) completion that finished normally: no error, finish_reason stop or length."""
+    """A whole (non-streamed) completion that finished normally: no error, finish_reason stop, length or
+    tool_calls."""
     assert "error" not in body, f"error instead of a completion: {body}"
     reason = body["choices"][0]["finish_reason"]
     assert reason in FINISHED, f"finish_reason {reason!r}: {body}"

@@ -757,3 +757,76 @@ def test_scripted_chunked_body_over_the_limit_is_a_json_413(scripted: Any) -> No
 
     resp = scripted.http.post(COMP, content=chunks(), headers={"content-type": "application/json"})
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+
+
+def test_scripted_responses_ids_are_spelled_as_openai_spells_them(scripted: Any) -> None:
+    body = scripted.http.post("/v1/responses", json={"input": "Hi"}).json()
+    assert body["id"].startswith("resp_") and body["output"][0]["id"].startswith("msg_")
+    events = [json.loads(line[6:]) for line in scripted.http.post("/v1/responses", json={
+        "input": "Hi", "stream": True}).text.splitlines() if line.startswith("data: ")]
+    ids = {e["response"]["id"] for e in events if "response" in e}
+    assert len(ids) == 1 and ids.pop().startswith("resp_")
+
+
+# -- tool calls as the routes answer them, over a scripted generation ---------------------------------
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+FORCED = {"messages": MSG, "tools": [WEATHER_TOOL], "tool_choice": "required"}
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _script(scripted: Any, text: str, reason: Any) -> None:
+    """The engine 'generates' `text` four characters a token, ending with `reason`."""
+    from serving.request import GenerationChunk, Usage
+
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    scripted.engine.chunks = [GenerationChunk(p, [i]) for i, p in enumerate(pieces[:-1])] + [
+        GenerationChunk(pieces[-1], [len(pieces)], reason, Usage(prompt_tokens=3, completion_tokens=len(pieces)))]
+
+
+def _streamed_calls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool_calls deltas of a chat stream, in order."""
+    return [call for e in events for c in e["choices"] for call in (c["delta"].get("tool_calls") or [])]
+
+
+def test_scripted_forced_calls_cut_by_max_tokens_keep_the_complete_ones(scripted: Any) -> None:
+    """The reported bug: a forced call, then the same call again until max_tokens cut it. The complete calls
+    are the answer (finish_reason length says the rest was cut); no markup is content, whole or streamed."""
+    from serving.request import FinishReason
+
+    _script(scripted, (CALL_TEXT + "\n") * 2 + CALL_TEXT[:30], FinishReason.length)
+    whole = assert_generated(scripted.http.post(CHAT, json=FORCED).json())["choices"][0]
+    assert whole["finish_reason"] == "length" and whole["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["message"]["tool_calls"]] \
+        == [("get_weather", {"city": "Paris"})] * 2
+    events = sse_events(scripted.http.post(CHAT, json={**FORCED, "stream": True}).text.splitlines())
+    assert assert_stream_finished(events) == "" and events[-1]["choices"][0]["finish_reason"] == "length"
+    streamed = _streamed_calls(events)
+    args = {i: "".join(d["function"]["arguments"] for d in streamed if d["index"] == i) for i in (0, 1)}
+    assert [json.loads(a) for a in args.values()] == [{"city": "Paris"}] * 2
+
+
+def test_scripted_streamed_call_sends_its_arguments_as_they_come(scripted: Any) -> None:
+    """OpenAI's framing: a call's first delta carries index, id, type, name and the start of its arguments;
+    the later ones only index and more arguments (an event per token: logprobs are asked for)."""
+    from serving.request import FinishReason
+
+    _script(scripted, CALL_TEXT, FinishReason.stop)
+    events = sse_events(scripted.http.post(CHAT, json={**FORCED, "stream": True, "logprobs": True}).text.splitlines())
+    assert assert_stream_finished(events) == "" and events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    first, *rest = _streamed_calls(events)
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"]["name"] == "get_weather" and '{"city": "Paris"}'.startswith(first["function"]["arguments"])
+    assert len(rest) >= 3 and all(d.keys() == {"index", "function"} and d["function"].keys() == {"arguments"}
+                                  for d in rest)
+    assert first["function"]["arguments"] + "".join(d["function"]["arguments"] for d in rest) == '{"city": "Paris"}'
+
+
+@pytest.mark.parametrize("parallel,repeats", [(None, False), (False, False), (True, True)])
+def test_scripted_forced_calls_repeat_only_when_parallel_calls_are_asked_for(scripted: Any, parallel: bool | None,
+                                                                              repeats: bool) -> None:
+    """tool_choice required: one call unless parallel_tool_calls is true (see plan_tools for why)."""
+    body = {**FORCED, **({} if parallel is None else {"parallel_tool_calls": parallel})}
+    assert scripted.http.post(CHAT, json=body).status_code == 200
+    grammar = scripted.engine.params[-1].grammar
+    assert grammar.startswith("root ::= block") and ('("\\n" block)' in grammar) == repeats

@@ -47,10 +47,12 @@ def collect_stream(stream: Any) -> dict[str, Any]:
             delta = c.delta
             slot["content"] += delta.content or ""
             slot["reasoning"] += getattr(delta, "reasoning_content", None) or ""
-            for call in delta.tool_calls or []:
-                got = slot["tool_calls"].setdefault(call.index, {"name": "", "arguments": ""})
+            for call in delta.tool_calls or []:  # pieces: the deltas that carried some of the call
+                got = slot["tool_calls"].setdefault(call.index, {"name": "", "arguments": "", "id": call.id,
+                                                                 "pieces": 0})
                 got["name"] += call.function.name or ""
                 got["arguments"] += call.function.arguments or ""
+                got["pieces"] += 1
             if c.logprobs and c.logprobs.content:
                 slot["logprobs"] += c.logprobs.content
             slot["finish"] = c.finish_reason or slot["finish"]
@@ -121,6 +123,48 @@ def test_a_named_function_is_the_one_called_and_stream_agrees(client: openai.Ope
     assert got["finish"] == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"].values()] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+CITY = {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+REPEATING_SEEDS = (3, 7, 8)  # where, let call again, the model repeats its call until max_tokens=64 cuts one
+
+
+@pytest.mark.parametrize("seed", REPEATING_SEEDS)
+def test_a_forced_call_arrives_as_one_call_whole_and_streamed(client: openai.OpenAI, model: str, seed: int) -> None:
+    """The reported bug: tool_choice required, max_tokens 64, and the model wrote the call again and again
+    until the limit cut the last: no tool_calls, the markup in content. Unless parallel_tool_calls is true,
+    the grammar ends the answer after one call. Streamed (an event per token: logprobs), its arguments come
+    in pieces as they are generated, after a first delta with its id and name."""
+    kw: dict[str, Any] = dict(model=model, messages=PARIS, tools=[CITY], tool_choice="required", max_tokens=64,
+                              temperature=1.0, seed=seed)
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    [call] = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), CITY["function"]["parameters"])
+    got = collect_stream(client.chat.completions.create(**kw, stream=True, logprobs=True))["choices"][0]
+    assert got["finish"] == "tool_calls" and got["content"] == ""
+    [streamed] = got["tool_calls"].values()
+    assert streamed["id"].startswith("call_") and streamed["name"] == "get_weather" and streamed["pieces"] > 3
+    assert streamed["arguments"] == call.function.arguments  # the same seed: the same call
+
+
+def test_parallel_forced_calls_cut_by_max_tokens_keep_the_complete_ones(client: openai.OpenAI, model: str) -> None:
+    """parallel_tool_calls true lets the model call again, and at these seeds it repeats its call until
+    max_tokens cuts one: the answer is the calls that completed, finish_reason length, no markup as content."""
+    reasons = []
+    for seed in REPEATING_SEEDS:
+        choice = client.chat.completions.create(model=model, messages=PARIS, tools=[CITY], tool_choice="required",
+                                                parallel_tool_calls=True, max_tokens=64, temperature=1.0,
+                                                seed=seed).choices[0]
+        reasons.append(choice.finish_reason)
+        assert choice.message.content is None and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), CITY["function"]["parameters"])
+    assert "length" in reasons  # the premise: some answer was cut
 
 
 def test_tool_choice_none_answers_in_text(client: openai.OpenAI, model: str) -> None:
@@ -249,6 +293,7 @@ def test_responses_api_text_in_and_out(client: openai.OpenAI, model: str) -> Non
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert "".join(deltas) == final.output_text == whole.output_text
+    assert whole.id.startswith("resp_") and whole.output[0].id.startswith("msg_") and final.id.startswith("resp_")
 
 
 def test_unimplemented_fields_are_refused_by_name(client: openai.OpenAI, model: str) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from serving.reasoning import ThinkSplitter, split_reasoning
 from serving.structured import GrammarError, json_schema_grammar, response_format_grammar, tool_call_grammar
-from serving.tools import ToolCallStream, messages_for_plain_template, parse_tool_calls
+from serving.tools import CallMode, ToolCallStream, messages_for_plain_template, parse_tool_calls
 
 
 @pytest.mark.parametrize("text,content,names", [
@@ -35,17 +36,58 @@ def test_parse_tool_calls(text: str, content: str | None, names: list[str]) -> N
 ])
 def test_tool_call_stream_releases_content_and_holds_the_call(pieces: list[str]) -> None:
     stream = ToolCallStream()
-    released = "".join(stream.feed(p) for p in pieces)
-    rest, calls = stream.finish()
-    assert (released + rest).strip() == "Sure." and [c.name for c in calls] == ["f"]
+    released = "".join(stream.feed(p)[0] for p in pieces)
+    rest, _ = stream.finish()
+    assert (released + rest).strip() == "Sure." and [c.name for c in stream.calls] == ["f"]
     assert "<" not in released
 
 
 def test_tool_call_stream_gives_back_text_that_was_no_call() -> None:
     stream = ToolCallStream()
-    released = "".join(stream.feed(p) for p in ["a <to", "ol party", " tonight"])
-    rest, calls = stream.finish()
-    assert released + rest == "a <tool party tonight" and calls == []
+    released = "".join(stream.feed(p)[0] for p in ["a <to", "ol party", " tonight"])
+    rest, _ = stream.finish()
+    assert released + rest == "a <tool party tonight" and stream.calls == []
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris", "days": [1, {"x": "}"}]}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("mode", list(CallMode))
+def test_a_call_streams_its_arguments_as_they_come(mode: CallMode) -> None:
+    """Fed a token at a time, a call goes out as OpenAI streams one: its id and name first, then its
+    arguments in pieces, each as soon as it is generated, not at the block's end."""
+    stream = ToolCallStream(mode)
+    sent: list[tuple[int, Any]] = []
+    for at in range(0, len(CALL), 3):
+        content, pieces = stream.feed(CALL[at:at + 3])
+        assert content == ""
+        sent += [(at, p) for p in pieces]
+    assert stream.finish() == ("", [])
+    first = sent[0][1]
+    assert first.id and first.id.startswith("call_") and first.name == "get_weather" and first.index == 0
+    assert all(p.id is None and p.index == 0 for _, p in sent[1:]) and len(sent) > 10
+    arguments = "".join(p.arguments for _, p in sent)
+    assert json.loads(arguments) == {"city": 'Pa"ris', "days": [1, {"x": "}"}]}
+    assert sent[-1][0] < CALL.index("</tool_call>")  # all of it out before the block closed
+    assert [(c.id, c.name, c.arguments) for c in stream.calls] == [(first.id, "get_weather", arguments)]
+
+
+@pytest.mark.parametrize("cut", [len(CALL) + 5, len(CALL) + 40])
+def test_a_forced_answer_cut_by_the_token_limit_keeps_its_complete_calls(cut: int) -> None:
+    """The reported bug: the same call again and again until max_tokens cuts the last. The complete calls
+    are the answer; the cut one is not a call, and none of the markup is content."""
+    text = (CALL + "\n") * 3
+    stream = ToolCallStream(CallMode.forced)
+    content = stream.feed(text[:cut])[0] + stream.finish()[0]
+    assert content == "" and len(stream.calls) == 1
+    assert json.loads(stream.calls[0].arguments)["city"] == 'Pa"ris'
+
+
+@pytest.mark.parametrize("mode,content", [(CallMode.forced, ""), (CallMode.auto, '<tool_call>\n{"name": "get_')])
+def test_a_call_cut_in_its_name_is_no_call(mode: CallMode, content: str) -> None:
+    stream = ToolCallStream(mode)
+    cut = CALL[:CALL.index("weather")]
+    assert stream.feed(cut)[0] + stream.finish()[0] == content and stream.calls == []
 
 
 def test_plain_template_messages_carry_tools_calls_and_results() -> None:
@@ -93,14 +135,39 @@ def test_grammars_compile_and_bad_schemas_say_why() -> None:
 
 
 def test_forced_call_schemas_get_length_bounds() -> None:
-    from serving.structured import MAX_CALL_ITEMS, MAX_CALL_STRING, bounded
+    from serving.structured import CALL_BOUNDS, bounded
 
     schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string", "enum": ["x"]},
                                                "c": {"type": "array", "items": {"type": "string", "maxLength": 3}}}}
-    out = bounded(schema)
-    assert out["properties"]["a"]["maxLength"] == MAX_CALL_STRING and "maxLength" not in out["properties"]["b"]
-    assert out["properties"]["c"]["maxItems"] == MAX_CALL_ITEMS and out["properties"]["c"]["items"]["maxLength"] == 3
+    out = bounded(schema, CALL_BOUNDS)
+    assert out["properties"]["a"]["maxLength"] == CALL_BOUNDS.string and "maxLength" not in out["properties"]["b"]
+    assert out["properties"]["c"]["maxItems"] == CALL_BOUNDS.items and out["properties"]["c"]["items"]["maxLength"] == 3
     assert "maxLength" not in schema["properties"]["a"]  # the caller's schema is left as it was
+
+
+def test_bounds_keep_what_the_schema_says() -> None:
+    """A default never makes a schema unsatisfiable (minLength over it), JSON values (enum, const) are not
+    schemas, and a property may be named like a keyword."""
+    from serving.structured import ANSWER_BOUNDS, bounded
+
+    schema = {"type": "object", "properties": {
+        "long": {"type": "string", "minLength": 5000}, "many": {"type": "array", "minItems": 100},
+        "enum": {"type": "string"}, "pick": {"enum": [{"type": "string"}]}, "mine": {"type": "string", "maxLength": 9}}}
+    props = bounded(schema, ANSWER_BOUNDS)["properties"]
+    assert props["long"]["maxLength"] == 5000 and props["many"]["maxItems"] == 100
+    assert props["enum"]["maxLength"] == ANSWER_BOUNDS.string and props["pick"] == {"enum": [{"type": "string"}]}
+    assert props["mine"]["maxLength"] == 9
+
+
+def test_answer_schemas_are_bounded_too() -> None:
+    """response_format json_schema (and llama-server's json_schema) get bounds where the schema sets none,
+    so an answer closes on its own; a bound the client set is its own."""
+    from serving.structured import ANSWER_BOUNDS
+
+    assert json_schema_grammar({"type": "string"}) == json_schema_grammar({"type": "string",
+                                                                             "maxLength": ANSWER_BOUNDS.string})
+    assert response_format_grammar("json_schema", {"type": "string"}) == json_schema_grammar({"type": "string"})
+    assert json_schema_grammar({"type": "string", "maxLength": 3}) != json_schema_grammar({"type": "string"})
 
 
 def test_chat_template_sees_tools_and_template_kwargs() -> None:
