@@ -32,6 +32,10 @@ from serving.speculate import (
 log = logging.getLogger(__name__)
 
 # Messages a client may see (details go to the log).
+# Cached prompt tokens worth taking a slot apart from the busy ones (each step then decodes in one more
+# micro-batch while they run together, _pick_slot): 1024 tokens of a 27B-class prompt prefill in ~0.35 s on
+# the H200 (~2,900 tok/s), about what ~35 split decode steps lose.
+SPLIT_WORTH = 1024
 DECODE_FAILED = "the model failed to evaluate this request's batch (llama_decode error {rc}); retry it"
 SAMPLER_FAILED = "sampling the next token failed for this request"
 TOO_MANY_CHOICES = "{n} choices need {n} slots at once, but this server has {slots}: ask for fewer"
@@ -393,7 +397,7 @@ class Scheduler:
                 for r in others]
         outputs: list[RequestOutput] = []
         for request in others:
-            clone = min(free, key=lambda s: s.last_used)
+            clone, _ = self._pick_slot(free, [])  # next to the busy slots (a clone copies the leader's cells)
             free.remove(clone)
             clone.leader = leader
             leader.clones.append(clone)
@@ -411,12 +415,23 @@ class Scheduler:
             return False
 
     def _pick_slot(self, free: list[Slot], prompt: list[int]) -> tuple[Slot, int]:
-        """The free slot sharing the longest cached prefix with `prompt` (ties and no match: least recently
-        used), and that prefix's length."""
+        """The free slot for `prompt`, and the cached prefix it shares with it.
+
+        The busy slots are kept in one run of consecutive sequence ids where that costs little: llama.cpp
+        (kv_unified off, one K/V stream per slot) puts a step's rows in one micro-batch only for consecutive
+        sequence ids, in order (llama_batch_allocr::split_equal, `sequential`), so busy slots 0 and 3 decode
+        as two graph runs a step, each costing about a whole step (H200, 27B-class, 4 slots: two streams on
+        slots apart gave 0.52x the aggregate of two adjacent ones, scripts/bench_agreement.py). A slot that
+        splits the busy ones into more runs is taken only for a cached prefix of SPLIT_WORTH tokens or more.
+        Then: the longest cached prefix, then (no prefix to reuse) the least recently used slot."""
+        busy = {s.seq_id for s in self.slots if s.request is not None}
+        runs = {s.seq_id: _runs(busy | {s.seq_id}) for s in free}
+        fewest = min(runs.values())
         scored = [(_common_prefix(s.cache, prompt), s) for s in free]
-        shared, best = max(scored, key=lambda p: (p[0], -p[1].last_used))
+        allowed = [(shared, s) for shared, s in scored if runs[s.seq_id] == fewest or shared >= SPLIT_WORTH]
+        shared, best = max(allowed, key=lambda p: (p[0], -runs[p[1].seq_id], -p[1].last_used))
         if shared == 0:
-            best = min(free, key=lambda s: s.last_used)
+            best = min((s for _, s in allowed if runs[s.seq_id] == fewest), key=lambda s: s.last_used)
         return best, shared
 
     def _assign(self, slot: Slot, request: Request, shared: int) -> None:
@@ -553,6 +568,11 @@ class Scheduler:
                 request_id=request.id if request is not None else None,
                 n_prompt=usage.prompt_tokens if busy else 0, n_generated=usage.completion_tokens if busy else 0))
         return views
+
+
+def _runs(seq_ids: set[int]) -> int:
+    """Runs of consecutive ids in `seq_ids`: the micro-batches a step over those slots is decoded in."""
+    return sum(1 for i in seq_ids if i - 1 not in seq_ids)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

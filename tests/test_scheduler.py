@@ -174,6 +174,46 @@ def test_prefix_reuse_picks_the_slot_sharing_the_longest_prefix() -> None:
     assert ends(run(s, ctx))[same.id].usage.cached_tokens == 6
 
 
+def test_busy_slots_stay_consecutive_unless_a_long_prefix_is_worth_a_split() -> None:
+    """llama.cpp decodes a step in one micro-batch only over consecutive sequence ids: two streams on slots 0
+    and 3 would cost two graph runs a step. Caches everywhere (as after a 4-stream round), the second of two
+    requests goes next to the first; a cached prefix of SPLIT_WORTH tokens still wins its slot."""
+    from serving.scheduler import SPLIT_WORTH
+
+    s, ctx = make(n_parallel=4, n_ctx_seq=2 * SPLIT_WORTH + 64, batch_capacity=4 * SPLIT_WORTH + 64)
+    for i in range(4):  # every slot caches a prompt; slot 3's is the most recently used
+        s.add([req([200 + i, 1, 2])])
+        run(s, ctx)
+    a, b = req([7, 8, 9]), req([7, 8, 10])
+    s.add([a])
+    s.add([b])
+    s.step()
+    busy = sorted(slot.seq_id for slot in s.slots if slot.request is not None)
+    assert len(busy) == 2 and busy[1] == busy[0] + 1, busy
+    run(s, ctx)
+    long_prompt = list(range(1000, 1000 + SPLIT_WORTH))
+    s.add([req([5, 5, 5])])  # busy again: one slot
+    s.step()
+    first = next(slot.seq_id for slot in s.slots if slot.request is not None)
+    apart = next(slot for slot in s.slots if abs(slot.seq_id - first) > 1)
+    apart.cache = list(long_prompt)  # as if that slot had served a long conversation
+    ctx.kv[apart.seq_id] = list(long_prompt)
+    returning = req([*long_prompt, 1, 2])
+    s.add([returning])
+    s.step()
+    assert returning in [slot.request for slot in s.slots if slot.seq_id == apart.seq_id]
+    short = req([*long_prompt[:SPLIT_WORTH - 1], 3])
+    run(s, ctx)
+    s.add([req([6, 6, 6])])
+    s.step()
+    anchor = next(slot.seq_id for slot in s.slots if slot.request is not None)
+    far = next(slot for slot in s.slots if abs(slot.seq_id - anchor) > 1)
+    far.cache, ctx.kv[far.seq_id] = list(long_prompt[:SPLIT_WORTH - 1]), list(long_prompt[:SPLIT_WORTH - 1])
+    s.add([short])
+    s.step()
+    assert short not in [slot.request for slot in s.slots if slot.seq_id == far.seq_id], "a short prefix splits"
+
+
 def test_eos_ends_with_stop_and_is_not_counted() -> None:
     s, ctx = make()
     r = req([1, 2, 3], SamplingParams(max_tokens=10, temperature=0.0))
