@@ -1,0 +1,120 @@
+"""The traffic record (serving/traffic.py): bounded, mergeable over replicas, never holding text."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+from serving.request import FinishReason, SamplingParams, Usage
+from serving.traffic import (CACHED_FRACTION_EDGES, TOKEN_EDGES, Histogram, RequestKind, RequestShape,
+                             ShapeInProgress, TrafficRecord, TrafficTag, merge_summaries)
+
+
+def shape(arrival: float, prompt: int = 10, output: int = 5, **kw: Any) -> RequestShape:
+    return RequestShape(arrival, kw.pop("kind", RequestKind.greedy), prompt, kw.pop("cached", 0), output, **kw)
+
+
+# -- the record ----------------------------------------------------------------------------------------
+def test_the_record_is_bounded_and_its_totals_count_everything() -> None:
+    record = TrafficRecord(limit=100)
+    for i in range(10_000):
+        record.add(shape(float(i), prompt=i % 300 + 1, output=i % 7, n=1 + i % 2))
+    assert len(record) == 100 and record.count == 10_000
+    summary = record.summary("r1")
+    assert summary.totals.requests == 10_000 and summary.totals.choices == 15_000
+    assert summary.totals.prompt_tokens == sum(i % 300 + 1 for i in range(10_000))
+    assert sum(summary.prompt_tokens.counts) == sum(summary.output_tokens.counts) == 10_000
+    assert [s.arrival for s in summary.recent] == [float(i) for i in range(9_900, 10_000)]  # the latest 100
+    assert summary.arrival_rate_per_s == pytest.approx(1.0)
+
+
+def test_histogram_buckets_are_prometheus_le_buckets() -> None:
+    record = TrafficRecord()
+    for prompt, cached in ((1, 0), (2, 1), (3, 3), (100_001, 0)):
+        record.add(shape(0.0, prompt=prompt, cached=cached))
+    summary = record.summary()
+    counts = dict(zip([*TOKEN_EDGES, "inf"], summary.prompt_tokens.counts, strict=True))
+    assert counts[1] == 1 and counts[2] == 1 and counts[5] == 1 and counts["inf"] == 1
+    fractions = dict(zip([*CACHED_FRACTION_EDGES, "over"], summary.cached_fraction.counts, strict=True))
+    assert fractions[0.0] == 2 and fractions[0.5] == 1 and fractions[1.0] == 1
+
+
+def test_since_hands_out_each_shape_once_and_all_of_a_new_record() -> None:
+    record = TrafficRecord(limit=10)
+    for i in range(3):
+        record.add(shape(float(i)))
+    first, seen = record.since(0)
+    assert [s.arrival for s in first] == [0.0, 1.0, 2.0] and seen == 3
+    assert record.since(seen) == ([], 3)
+    for i in range(3, 30):
+        record.add(shape(float(i)))
+    later, seen = record.since(seen)
+    assert [s.arrival for s in later] == [float(i) for i in range(20, 30)] and seen == 30  # what the window holds
+    fresh = TrafficRecord()  # an engine replaced: its count starts again below what was seen
+    fresh.add(shape(5.0))
+    assert [s.arrival for s in fresh.since(seen)[0]] == [5.0]
+
+
+def test_a_request_with_n_choices_is_one_shape_complete_when_its_last_choice_ends() -> None:
+    params = SamplingParams(max_tokens=9, temperature=0.8)
+    progress = ShapeInProgress.start(12, params, 3, TrafficTag(streamed=True), arrival=100.0)
+    assert progress.end_choice(Usage(12, 4, cached_tokens=8), FinishReason.length) is None
+    assert progress.end_choice(Usage(12, 2, cached_tokens=0), FinishReason.stop) is None
+    done = progress.end_choice(Usage(12, 0), FinishReason.cancelled)
+    assert done == RequestShape(100.0, RequestKind.sampled, 12, 8, 6, n=3, max_tokens=9,
+                                finish=FinishReason.cancelled, streamed=True)
+
+
+@pytest.mark.parametrize("params,kind", [
+    (SamplingParams(temperature=0.0), RequestKind.greedy),
+    (SamplingParams(temperature=0.7), RequestKind.sampled),
+    (SamplingParams(temperature=0.0, grammar='root ::= "a"'), RequestKind.constrained),
+])
+def test_request_kind(params: SamplingParams, kind: RequestKind) -> None:
+    assert RequestKind.of(params) == kind
+
+
+# -- merging replicas ----------------------------------------------------------------------------------
+def test_two_replicas_summaries_merge() -> None:
+    a, b = TrafficRecord(limit=50, clock=lambda: 10.0), TrafficRecord(limit=40, clock=lambda: 5.0)
+    for i in range(60):
+        a.add(shape(2.0 * i, prompt=30, output=3, kind=RequestKind.sampled))  # even arrivals
+        b.add(shape(2.0 * i + 1, prompt=3000, output=700, finish=FinishReason.length))  # odd arrivals
+    sa, sb = a.summary("a"), b.summary("b")
+    merged = sa.merged(sb)
+    assert merged.replicas == ("a", "b") and merged.since == 5.0
+    assert merged.totals.requests == 120 and merged.totals.output_tokens == 60 * 3 + 60 * 700
+    assert merged.by_kind == {RequestKind.sampled: 60, RequestKind.greedy: 60}
+    assert merged.by_finish == {FinishReason.stop: 60, FinishReason.length: 60}
+    assert merged.prompt_tokens.counts == tuple(x + y for x, y in zip(sa.prompt_tokens.counts,
+                                                                       sb.prompt_tokens.counts, strict=True))
+    # interleaved in arrival order, bounded by the shorter window (40), which reaches back no further than
+    # either side's oldest: complete, no gap
+    arrivals = [s.arrival for s in merged.recent]
+    assert merged.limit == 40 and arrivals == [float(t) for t in range(80, 120)]
+    assert merged.arrival_rate_per_s == pytest.approx(1.0)
+    assert merge_summaries([sa, sb]) == merged
+    assert sb.merged(sa).recent == merged.recent
+
+
+def test_histograms_with_other_edges_do_not_merge() -> None:
+    with pytest.raises(ValueError, match="bucket edges"):
+        Histogram.empty((1, 2)).merged(Histogram.empty((1, 3)))
+
+
+# -- no text -------------------------------------------------------------------------------------------
+def test_a_shape_has_no_field_that_could_hold_text() -> None:
+    allowed = {"float", "int", "int | None", "bool", "RequestKind", "FinishReason"}
+    assert {f.name: f.type for f in fields(RequestShape) if f.type not in allowed} == {}
+    assert set(shape(0.0).as_dict()) == {f.name for f in fields(RequestShape)}  # JSON shows every field
+
+
+def test_the_traffic_module_imports_neither_libllama_nor_ray() -> None:
+    code = ("import sys, serving.traffic; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "{'ray', 'llama_cpp', 'serving.llama'} or m == 'serving.llama'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
