@@ -1,7 +1,9 @@
-"""The traffic record (serving/traffic.py): bounded, mergeable over replicas, never holding text."""
+"""The traffic record (serving/traffic.py): bounded, mergeable over replicas, never holding text; recorded by
+the engine for client requests only."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import fields
@@ -12,6 +14,8 @@ import pytest
 from serving.request import FinishReason, SamplingParams, Usage
 from serving.traffic import (CACHED_FRACTION_EDGES, TOKEN_EDGES, Histogram, RequestKind, RequestShape,
                              ShapeInProgress, TrafficRecord, TrafficTag, merge_summaries)
+
+SECRET = "Zanzibar-quokka-marmalade 7731"  # a prompt whose text (or token ids) must never be kept
 
 
 def shape(arrival: float, prompt: int = 10, output: int = 5, **kw: Any) -> RequestShape:
@@ -111,6 +115,27 @@ def test_a_shape_has_no_field_that_could_hold_text() -> None:
     allowed = {"float", "int", "int | None", "bool", "RequestKind", "FinishReason"}
     assert {f.name: f.type for f in fields(RequestShape) if f.type not in allowed} == {}
     assert set(shape(0.0).as_dict()) == {f.name for f in fields(RequestShape)}  # JSON shows every field
+
+
+def test_the_engine_records_a_client_request_without_its_text_and_not_untagged_work(engine: Any) -> None:
+    from tests.helpers import collect
+
+    tokens = engine.tokenize_prompt(SECRET)
+    before = engine.traffic_summary("here").totals.requests
+    collect(engine.submit(tokens, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))  # untagged
+    assert engine.traffic_summary("here").totals.requests == before
+    handles = engine.submit_choices(tokens, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), 2,
+                                    traffic=TrafficTag(streamed=False))
+    generated = [collect(h) for h in handles]
+    summary = engine.traffic_summary("here")
+    assert summary.totals.requests == before + 1
+    last = summary.recent[-1]
+    assert (last.prompt_tokens, last.output_tokens, last.n, last.kind) == (len(tokens), 8, 2, RequestKind.greedy)
+    for kept in (repr(summary), json.dumps(summary.as_dict())):
+        for word in [SECRET, *SECRET.split(), generated[0].text.strip()]:
+            assert word not in kept
+        assert ", ".join(map(str, tokens)) not in kept and ",".join(map(str, tokens)) not in kept
+        assert ", ".join(map(str, generated[0].tokens)) not in kept
 
 
 def test_the_traffic_module_imports_neither_libllama_nor_ray() -> None:
