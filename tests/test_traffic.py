@@ -1,19 +1,23 @@
 """The traffic record (serving/traffic.py): bounded, mergeable over replicas, never holding text; recorded by
-the engine for client requests only."""
+the engine for client requests only; /traffic over HTTP, merged over the replicas."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from dataclasses import fields
+from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 from serving.request import FinishReason, SamplingParams, Usage
 from serving.traffic import (CACHED_FRACTION_EDGES, TOKEN_EDGES, Histogram, RequestKind, RequestShape,
-                             ShapeInProgress, TrafficRecord, TrafficTag, merge_summaries)
+                             ShapeInProgress, TrafficRecord, TrafficSummary, TrafficTag, merge_summaries)
+from tests.conftest import assert_generated, sse_events
 
 SECRET = "Zanzibar-quokka-marmalade 7731"  # a prompt whose text (or token ids) must never be kept
 
@@ -143,3 +147,79 @@ def test_the_traffic_module_imports_neither_libllama_nor_ray() -> None:
             "{'ray', 'llama_cpp', 'serving.llama'} or m == 'serving.llama'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# -- asking every replica (fake handles: no Ray) -------------------------------------------------------
+class FakePeers:
+    def __init__(self, answers: list[Any] | Exception) -> None:
+        self.answers = answers
+
+    def broadcast(self, method: str) -> Any:
+        assert method == "traffic_summary"
+
+        async def results_async(timeout_s: float, return_exceptions: bool) -> list[Any]:
+            if isinstance(self.answers, Exception):
+                raise self.answers
+            return self.answers
+
+        return SimpleNamespace(results_async=results_async)
+
+
+def test_gather_merges_every_answer_and_counts_the_missing() -> None:
+    from serving.app import gather_traffic
+
+    own, other = TrafficSummary.empty("a", since=1.0), TrafficSummary.empty("b", since=2.0)
+    merged, missing = asyncio.run(gather_traffic(FakePeers([other, own, RuntimeError("lost")]), own))
+    assert merged.replicas == ("a", "b") and missing == 1
+    merged, missing = asyncio.run(gather_traffic(FakePeers([other]), own))  # the broadcast missed this one
+    assert merged.replicas == ("a", "b") and missing == 0
+    for peers in (FakePeers(TimeoutError("slow")), object(), None):  # cannot ask all: this replica, said so
+        assert asyncio.run(gather_traffic(peers, own)) == (own, None)
+
+
+# -- over HTTP -----------------------------------------------------------------------------------------
+def _traffic(url: str, **params: Any) -> dict[str, Any]:
+    resp = httpx.get(f"{url}/traffic", params=params, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _cached(usage: dict[str, Any]) -> int:
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
+def test_traffic_over_http_counts_the_completions_with_their_token_numbers(serve_url: str) -> None:
+    before = _traffic(serve_url)
+    with httpx.Client(timeout=120) as http:
+        greedy = assert_generated(http.post(f"{serve_url}/v1/completions", json={
+            "prompt": SECRET, "max_tokens": 5, "temperature": 0, "ignore_eos": True}).json())
+        two = assert_generated(http.post(f"{serve_url}/v1/completions", json={
+            "prompt": "Rivers of", "max_tokens": 3, "temperature": 0.8, "n": 2, "ignore_eos": True}).json())
+        with http.stream("POST", f"{serve_url}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": True}}) as resp:
+            assert resp.status_code == 200
+            events = sse_events(resp.iter_lines())
+    streamed = events[-1]["usage"]
+    after = _traffic(serve_url)
+    assert after["replicas_missing"] == 0 and len(after["replicas"]) == 1
+    usages = [greedy["usage"], two["usage"], streamed]
+    delta = {k: after["totals"][k] - before["totals"][k] for k in after["totals"]}
+    assert delta == {"requests": 3, "choices": 4, "streamed": 1,
+                     "prompt_tokens": sum(u["prompt_tokens"] for u in usages),
+                     "cached_tokens": sum(_cached(u) for u in usages),
+                     "output_tokens": sum(u["completion_tokens"] for u in usages)}
+    shapes = after["recent"]["requests"][-3:]
+    assert [(s["prompt_tokens"], s["output_tokens"], s["n"], s["kind"], s["streamed"]) for s in shapes] == [
+        (greedy["usage"]["prompt_tokens"], 5, 1, "greedy", False),
+        (two["usage"]["prompt_tokens"], 6, 2, "sampled", False),
+        (streamed["prompt_tokens"], streamed["completion_tokens"], 1, "sampled", True)]
+    assert shapes[0]["arrival"] <= shapes[1]["arrival"] <= shapes[2]["arrival"]
+    assert sum(after["histograms"]["output_tokens"]["counts"]) == after["totals"]["requests"]
+    assert SECRET not in json.dumps(after)
+    assert _traffic(serve_url, recent=1)["recent"]["requests"] == shapes[-1:]
+
+
+def test_traffic_refuses_bad_input_with_openai_error_json(serve_url: str) -> None:
+    resp = httpx.get(f"{serve_url}/traffic", params={"recent": "-1"}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "recent", resp.text
