@@ -227,6 +227,7 @@ class LlamaServer(OpenAIRoutes):
                                  self._options.tuning_lease_s)
         self._follower = ConfigFollower(channel, self._replica, self._apply, self._options.config_poll_s)
         self._peers: DeploymentHandle | None = None  # this deployment's handle, for /traffic (made on first use)
+        self._shapes_seen = 0  # the traffic record's count the metrics have taken shapes up to
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve calls this with the `user_config` at start and on every change of it."""
@@ -284,8 +285,15 @@ class LlamaServer(OpenAIRoutes):
                 continue
             try:
                 self.metrics.record_snapshot(engine.stats())
+                self._record_shapes(engine)
             except Exception:
                 log.warning("sampling the engine's metrics failed", exc_info=True)
+
+    def _record_shapes(self, engine: Engine) -> None:
+        """The request histograms take the shapes the traffic record got since they last looked (on the
+        event loop only: the sampler and /metrics, so `_shapes_seen` has one writer at a time)."""
+        shapes, self._shapes_seen = engine.traffic_since(self._shapes_seen)
+        self.metrics.record_shapes(shapes)
 
     def check_health(self) -> None:
         """Serve's own liveness probe: a replica whose step thread died, or whose config follower or
@@ -402,6 +410,7 @@ class LlamaServer(OpenAIRoutes):
         if engine is not None:
             try:
                 stats = engine.stats()
+                self._record_shapes(engine)
             except Exception:
                 log.warning("reading the engine's stats for /metrics failed", exc_info=True)
         return Response(self.metrics.exposition(stats), media_type=CONTENT_TYPE)

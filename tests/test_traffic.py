@@ -1,10 +1,11 @@
 """The traffic record (serving/traffic.py): bounded, mergeable over replicas, never holding text; recorded by
-the engine for client requests only; /traffic over HTTP, merged over the replicas."""
+the engine for client requests only; /traffic and the request histograms of /metrics over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -188,8 +189,14 @@ def _cached(usage: dict[str, Any]) -> int:
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
+def _histogram_count(metrics: str, name: str) -> float:
+    found = re.search(rf"^{name}_count\{{[^}}]*\}} (\S+)$", metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_traffic_over_http_counts_the_completions_with_their_token_numbers(serve_url: str) -> None:
     before = _traffic(serve_url)
+    metrics_before = httpx.get(f"{serve_url}/metrics", timeout=30).text
     with httpx.Client(timeout=120) as http:
         greedy = assert_generated(http.post(f"{serve_url}/v1/completions", json={
             "prompt": SECRET, "max_tokens": 5, "temperature": 0, "ignore_eos": True}).json())
@@ -218,6 +225,12 @@ def test_traffic_over_http_counts_the_completions_with_their_token_numbers(serve
     assert sum(after["histograms"]["output_tokens"]["counts"]) == after["totals"]["requests"]
     assert SECRET not in json.dumps(after)
     assert _traffic(serve_url, recent=1)["recent"]["requests"] == shapes[-1:]
+
+    metrics = httpx.get(f"{serve_url}/metrics", timeout=30).text
+    for name in ("llm_request_prompt_tokens", "llm_request_generation_tokens", "llm_request_params_n"):
+        assert f"# TYPE {name} histogram" in metrics
+        assert _histogram_count(metrics, name) == _histogram_count(metrics_before, name) + 3, name
+    assert re.search(r'^llm_request_params_n_bucket\{le="2\.0"[^}]*\} \S+$', metrics, re.M)
 
 
 def test_traffic_refuses_bad_input_with_openai_error_json(serve_url: str) -> None:
