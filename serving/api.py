@@ -376,8 +376,14 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
+_LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})  # where FastAPI found the value
+
+
 def _param_path(loc: tuple[Any, ...] | list[Any]) -> list[str]:
-    """`('body', 'prompt', 'list[str]', 0, 'function-after[...]')` -> `['prompt', '0']`."""
+    """`('body', 'prompt', 'list[str]', 0, 'function-after[...]')` -> `['prompt', '0']`; `('query', 'recent')`
+    -> `['recent']`."""
+    if loc and loc[0] in _LOCATIONS:
+        loc = loc[1:]
     return [str(part) for part in loc
             if isinstance(part, int) or (part != "body" and str(part).isidentifier() and part not in _UNION_TAGS)]
 

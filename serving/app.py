@@ -1,6 +1,6 @@
 """The Ray Serve app: an ingress (serving/ingress.py) that takes every HTTP request, and one engine replica
 per GPU (LlamaServer here), each one Engine behind the OpenAI-compatible routes of serving/openai.py plus
-the control routes /slots, /props and /metrics. The ingress answers /health itself, from what the engine
+the control routes /slots, /props, /metrics and /traffic. The ingress answers /health itself, from what the engine
 replicas last told its background watch, and relays every other request to one (serving/relay.py).
 
 `serve run serving.app:main [config=FILE] [KEY=VALUE ...]` builds it: KEYs are EngineConfig fields or
@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 
 from serving import llama as _llama  # load order: ray before libllama, see serving/llama.py
 
+from fastapi import Query
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
@@ -47,6 +48,7 @@ from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middlewar
 from serving.relay import RelayedPart, RelayedRequest, run_relayed
 from serving.request import SamplingParams
 from serving.routing import IN_TRIAL, ROUTER, ROUTING_STATS_PERIOD_S
+from serving.traffic import TrafficSummary, merge_summaries
 from serving.trials import Measure, TrialHost, TrialRun
 
 log = logging.getLogger("serving")
@@ -59,6 +61,7 @@ MAX_PART_SPACING_S = 0.25  # a stream's bytes never wait longer than this for co
 INTERVAL_MS = 50.0  # stream_interval_ms=auto where HTTP work has a core of its own (a GPU, or a spare core)
 CPU_BOUND_INTERVAL_MS = 200.0  # ... and where the decode threads take every core (docs/performance.md)
 LOAD_FAILED = "the model failed to load; the reason is in the server log"
+TRAFFIC_DEADLINE_S = 5.0  # /traffic waits this long for every replica's summary
 
 
 def _n_parallel_limit() -> int:
@@ -90,6 +93,8 @@ class ServerOptions(BaseModel):
     config_poll_s: float = Field(1.0, gt=0, description="how often replicas look for a published config")
     tuning_lease_s: float = Field(300.0, gt=0, description="an in-place study whose tuner sent no trial for "
                                   "this long is over: the replica goes back to its serving config")
+    traffic_record: int = Field(4096, ge=1, description="finished client requests whose shapes (token counts, "
+                                "kind, arrival time; never text) each replica keeps for /traffic")
 
     @field_validator("cors_origins", mode="before")
     @classmethod
@@ -170,6 +175,28 @@ def _replica_cors_origins() -> list[str]:
     return list(replica.cors_origins)
 
 
+async def gather_traffic(peers: Any, own: TrafficSummary) -> tuple[TrafficSummary, int | None]:
+    """Every engine replica's traffic summary merged (`own` stands in for this replica if the broadcast
+    missed it), and how many replicas did not answer in time. Where every replica cannot be asked (a Ray
+    without DeploymentHandle.broadcast, or the broadcast itself failed), `own` alone and None: the
+    answer then says which replica it is for, and that the others are unknown.
+
+    Defined above LlamaServer on purpose: Serve's ingress freezes the routes (a cloudpickle copy) as the
+    class is decorated, and a route finds only the module's names defined by then."""
+    broadcast = getattr(peers, "broadcast", None)
+    if broadcast is None:
+        return own, None
+    try:
+        answers = await broadcast("traffic_summary").results_async(timeout_s=TRAFFIC_DEADLINE_S,
+                                                                   return_exceptions=True)
+    except Exception as exc:  # no replica listed yet, or one that never answered within the deadline
+        log.warning("/traffic could not ask every replica (%s: %s); answering for this one", type(exc).__name__, exc)
+        return own, None
+    summaries = {s.replicas: s for s in answers if isinstance(s, TrafficSummary)}
+    summaries.setdefault(own.replicas, own)
+    return merge_summaries(summaries.values()), len(answers) - sum(isinstance(s, TrafficSummary) for s in answers)
+
+
 install_middleware(_replica_api_key, _replica_cors_origins)
 
 
@@ -199,6 +226,8 @@ class LlamaServer(OpenAIRoutes):
         self._trials = TrialHost(self.ready_engine, self._lock, self._options.max_queued_requests,
                                  self._options.tuning_lease_s)
         self._follower = ConfigFollower(channel, self._replica, self._apply, self._options.config_poll_s)
+        self._peers: DeploymentHandle | None = None  # this deployment's handle, for /traffic (made on first use)
+        self._shapes_seen = 0  # the traffic record's count the metrics have taken shapes up to
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve calls this with the `user_config` at start and on every change of it."""
@@ -230,7 +259,8 @@ class LlamaServer(OpenAIRoutes):
 
     def _load(self, config: EngineConfig) -> None:
         try:
-            engine = Engine(config, max_queued=self._options.max_queued_requests)
+            engine = Engine(config, max_queued=self._options.max_queued_requests,
+                            traffic_limit=self._options.traffic_record)
         except Exception as exc:  # reported by /health and every request, never a crash loop
             log.exception("engine load failed")
             self._load_error = f"{type(exc).__name__}: {exc}"
@@ -255,8 +285,15 @@ class LlamaServer(OpenAIRoutes):
                 continue
             try:
                 self.metrics.record_snapshot(engine.stats())
+                self._record_shapes(engine)
             except Exception:
                 log.warning("sampling the engine's metrics failed", exc_info=True)
+
+    def _record_shapes(self, engine: Engine) -> None:
+        """The request histograms take the shapes the traffic record got since they last looked (on the
+        event loop only: the sampler and /metrics, so `_shapes_seen` has one writer at a time)."""
+        shapes, self._shapes_seen = engine.traffic_since(self._shapes_seen)
+        self.metrics.record_shapes(shapes)
 
     def check_health(self) -> None:
         """Serve's own liveness probe: a replica whose step thread died, or whose config follower or
@@ -373,9 +410,37 @@ class LlamaServer(OpenAIRoutes):
         if engine is not None:
             try:
                 stats = engine.stats()
+                self._record_shapes(engine)
             except Exception:
                 log.warning("reading the engine's stats for /metrics failed", exc_info=True)
         return Response(self.metrics.exposition(stats), media_type=CONTENT_TYPE)
+
+    @api.get("/traffic", responses=ERROR_RESPONSES)
+    async def traffic(self, recent: Annotated[int | None, Query(ge=0, description="list only the latest this "
+                                                                "many request shapes (0: none)")] = None
+                      ) -> dict[str, Any]:
+        """The shape of the client traffic served (token counts, kinds, arrival times; never text), merged
+        over every engine replica: totals, histograms and the recent arrivals, for the tuner to replay."""
+        summary, missing = await gather_traffic(self._peer_handle(), await self.traffic_summary())
+        return {**summary.as_dict(recent), "replicas_missing": missing}
+
+    async def traffic_summary(self) -> TrafficSummary:
+        """This replica's traffic record as a value (what /traffic asks every replica for)."""
+        engine = self._engine
+        if engine is None:
+            return TrafficSummary.empty(self._replica, self._options.traffic_record)
+        return engine.traffic_summary(self._replica)
+
+    def _peer_handle(self) -> DeploymentHandle | None:
+        """A handle on this replica's own deployment, to ask all its replicas; None outside a Serve app."""
+        if self._peers is None:
+            try:
+                context = serve.get_replica_context()
+                self._peers = serve.get_deployment_handle(context.replica_id.deployment_id.name,
+                                                          app_name=context.app_name)
+            except Exception:
+                log.warning("no handle on this deployment: /traffic answers for this replica alone", exc_info=True)
+        return self._peers
 
 
 def _split_args(args: dict[str, Any]) -> tuple[Path, dict[str, Any], dict[str, Any]]:

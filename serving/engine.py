@@ -6,6 +6,12 @@ request's handle. The step thread alone owns the llama.cpp objects, the schedule
 and the output processor (serving/output.py), and it alone frees them, so no caller can free memory that
 llama.cpp is still using.
 
+Each engine records the shapes of the client requests it serves (serving/traffic.py): the step thread
+completes a shape as a request's last choice ends and adds it to the TrafficRecord; /traffic and the metrics
+read the record from the event loop. One lock (`_traffic_lock`) guards the record: the step thread holds it
+for an O(1) add per request, a reader for one copy of the record (under a millisecond at 4096 shapes), so
+neither ever waits long and no reader sees a half-added shape.
+
 Weights (LlamaModel) and context (LlamaContext) have separate lifetimes on purpose: the tuner, and a live
 config change, rebuild only the context (K/V cache, batch sizes, slots) and keep the weights loaded.
 """
@@ -36,6 +42,8 @@ from serving.output import OutputProcessor  # noqa: E402
 from serving.repack import use_extra_bufts  # noqa: E402
 from serving.request import Request, RequestHandle, SamplingParams  # noqa: E402
 from serving.scheduler import RequestOutput, Scheduler  # noqa: E402
+from serving.traffic import (DEFAULT_LIMIT, RequestShape, ShapeInProgress, TrafficRecord,  # noqa: E402
+                             TrafficSummary, TrafficTag)
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +88,12 @@ class Engine:
     One step thread owns the llama.cpp context; every step is one llama_decode for all busy slots. The
     same class serves HTTP (serving/app.py), runs the benchmarks, and is what the tuner measures.
     `max_queued` bounds the requests waiting for a slot (None: unbounded); beyond it `submit` raises
-    QueueFullError at once, which is the server's admission control.
+    QueueFullError at once, which is the server's admission control. `traffic_limit` is how many finished
+    client requests' shapes the traffic record keeps.
     """
 
-    def __init__(self, config: EngineConfig, *, max_queued: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, max_queued: int | None = None,
+                 traffic_limit: int = DEFAULT_LIMIT) -> None:
         self.config = config
         self.max_queued = max_queued
         self.weight_loads = 0
@@ -103,11 +113,14 @@ class Engine:
             raise
         self._scheduler = Scheduler(self._ctx, config.n_parallel, config.seed, config.speculation,
                                     draft=self._draft_ctx)
-        self._outputs = OutputProcessor(self._model.token_bytes)
+        self._traffic = TrafficRecord(traffic_limit)
+        self._traffic_lock = threading.Lock()  # the step thread adds, routes read (see the module docstring)
+        self._outputs = OutputProcessor(self._model.token_bytes, on_shape=self._record_shape)
         self._n_ctx_slot = self._ctx.n_ctx_seq
         self._wake = threading.Event()
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue[list[tuple[Request, RequestHandle]]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[list[tuple[Request, RequestHandle]], ShapeInProgress | None]] = \
+            queue.SimpleQueue()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._pending: list[_Command] = []  # step thread only
         self._intake = threading.Lock()  # submit's check-and-put vs the step thread's last drain
@@ -171,10 +184,12 @@ class Engine:
         """
         return self.submit_choices(prompt_tokens, params, 1)[0]
 
-    def submit_choices(self, prompt_tokens: list[int], params: SamplingParams, n: int) -> list[RequestHandle]:
+    def submit_choices(self, prompt_tokens: list[int], params: SamplingParams, n: int,
+                       traffic: TrafficTag | None = None) -> list[RequestHandle]:
         """Queue `n` independent completions of one prompt (OpenAI's `n`): the prompt is prefilled once and
         its K/V cells copied to the other slots (llama_memory_seq_cp), so n choices cost one prefill.
-        They run at once, so n may not exceed n_parallel. With a seed, choice i samples with seed + i."""
+        They run at once, so n may not exceed n_parallel. With a seed, choice i samples with seed + i.
+        With `traffic` (client requests) the request's shape is recorded when it ends, arrival time now."""
         if not 1 <= n <= self.config.n_parallel:
             raise ValueError(f"n={n} choices need n slots at once; this server has {self.config.n_parallel}")
         tokens = self._checked_tokens(prompt_tokens, params)
@@ -183,11 +198,12 @@ class Engine:
             choice = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
             request = Request(next(self._ids), tokens, choice)
             group.append((request, RequestHandle(request, self._wake)))
+        shape = None if traffic is None else ShapeInProgress.start(len(tokens), params, n, traffic, time.time())
         with self._intake:
             if self._stopping or self._stopped:
                 raise EngineStoppedError("the engine is not running: " + SHUTTING_DOWN)
             self._check_queue(n)
-            self._inbox.put(group)
+            self._inbox.put((group, shape))
         self._wake.set()
         return [handle for _, handle in group]
 
@@ -205,6 +221,21 @@ class Engine:
             slots=slots, slots_busy=sum(1 for v in views if v.request_id is not None),
             queue_depth=self.queue_depth, counters=counters,
             spec_acceptance=counters["spec_accepted"] / drafted if drafted else None)
+
+    def traffic_summary(self, replica: str = "") -> TrafficSummary:
+        """The client traffic this engine has served, as a value (any thread)."""
+        with self._traffic_lock:
+            return self._traffic.summary(replica)
+
+    def traffic_since(self, seen: int) -> tuple[list[RequestShape], int]:
+        """Shapes recorded after the first `seen`, and the count to pass next time (TrafficRecord.since)."""
+        with self._traffic_lock:
+            return self._traffic.since(seen)
+
+    def _record_shape(self, shape: RequestShape) -> None:
+        """The step thread's side: a finished client request's shape into the record."""
+        with self._traffic_lock:
+            self._traffic.add(shape)
 
     @property
     def queue_depth(self) -> int:
@@ -336,11 +367,11 @@ class Engine:
     def _take_inbox(self) -> None:
         while True:
             try:
-                group = self._inbox.get_nowait()
+                group, shape = self._inbox.get_nowait()
             except queue.Empty:
                 return
             for request, handle in group:
-                self._outputs.add(request, handle)
+                self._outputs.add(request, handle, shape)
             self._scheduler.add([request for request, _ in group])
 
     def _run_commands(self) -> None:

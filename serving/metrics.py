@@ -7,9 +7,11 @@ or a llama-server-style scraper wants. The Ray export is the cluster-wide path: 
 exports every replica's series with Serve's deployment/replica tags, so a Prometheus that scrapes the
 agents sees all replicas, and none goes missing between scrapes.
 
-Counters and TTFT are recorded as requests finish (once per request, never per token); queue depth and
-busy slots come from the engine's snapshot: sampled each second for Ray, read fresh for each scrape of
-`/metrics`. The decode loop never touches a metric.
+Counters and TTFT are recorded as requests finish (once per request, never per token). The per-request
+token histograms (vLLM's request_prompt_tokens / request_generation_tokens / request_params_n) come from the
+engine's traffic record (serving/traffic.py): one sample per client request, all its choices counted, taken
+with the snapshot. Queue depth and busy slots come from the engine's snapshot: sampled each second for Ray,
+read fresh for each scrape of `/metrics`. The decode loop never touches a metric.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import prometheus_client as prom
 from ray.serve import metrics as ray_metrics
 
 from serving.request import FinishReason, Usage
+from serving.traffic import N_EDGES, TOKEN_EDGES, RequestShape
 
 TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 E2E_BOUNDARIES_S = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
@@ -56,6 +59,12 @@ class ReplicaMetrics:
                                   buckets=E2E_BOUNDARIES_S, registry=reg),
             "itl": prom.Histogram("llm_inter_token_latency_s", "Mean time between tokens, one sample per request.",
                                   labels, buckets=ITL_BOUNDARIES_S, registry=reg),
+            "prompt_len": prom.Histogram("llm_request_prompt_tokens", "Prompt tokens of each finished request.",
+                                         labels, buckets=TOKEN_EDGES, registry=reg),
+            "output_len": prom.Histogram("llm_request_generation_tokens", "Tokens generated for each finished "
+                                         "request, all its choices.", labels, buckets=TOKEN_EDGES, registry=reg),
+            "n": prom.Histogram("llm_request_params_n", "Choices (n) of each finished request.", labels,
+                                buckets=N_EDGES, registry=reg),
             "queue": prom.Gauge("llm_queue_depth", "Requests waiting for a slot.", labels, registry=reg),
             "busy": prom.Gauge("llm_slots_busy", "Slots in use.", labels, registry=reg),
             "kv": prom.Gauge("llm_kv_cells_used", "K/V cells holding tokens, all slots.", labels, registry=reg),
@@ -85,6 +94,13 @@ class ReplicaMetrics:
                                          "token.", boundaries=E2E_BOUNDARIES_S, tag_keys=tags),
             "itl": ray_metrics.Histogram("llm_inter_token_latency_s", description="Mean time between tokens, one "
                                          "sample per request.", boundaries=ITL_BOUNDARIES_S, tag_keys=tags),
+            "prompt_len": ray_metrics.Histogram("llm_request_prompt_tokens", description="Prompt tokens of each "
+                                                "finished request.", boundaries=list(TOKEN_EDGES), tag_keys=tags),
+            "output_len": ray_metrics.Histogram("llm_request_generation_tokens", description="Tokens generated for "
+                                                "each finished request, all its choices.",
+                                                boundaries=list(TOKEN_EDGES), tag_keys=tags),
+            "n": ray_metrics.Histogram("llm_request_params_n", description="Choices (n) of each finished request.",
+                                       boundaries=list(N_EDGES), tag_keys=tags),
             "queue": ray_metrics.Gauge("llm_queue_depth", description="Requests waiting for a slot.", tag_keys=tags),
             "busy": ray_metrics.Gauge("llm_slots_busy", description="Slots in use.", tag_keys=tags),
             "kv": ray_metrics.Gauge("llm_kv_cells_used", description="K/V cells holding tokens.", tag_keys=tags),
@@ -127,6 +143,13 @@ class ReplicaMetrics:
         labels, tags = self._labels()
         self._prom[name].labels(**labels).observe(value)
         self._ray[name].observe(value, tags=tags)
+
+    def record_shapes(self, shapes: list[RequestShape]) -> None:
+        """Client requests the traffic record has taken since the last call: one sample each."""
+        for shape in shapes:
+            self._observe("prompt_len", shape.prompt_tokens)
+            self._observe("output_len", shape.output_tokens)
+            self._observe("n", shape.n)
 
     def record_rejected(self, cause: str) -> None:
         """A request turned away before it reached a slot (`queue_full`, `engine_stopped`, `loading`)."""

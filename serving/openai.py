@@ -43,6 +43,7 @@ from serving.request import (FinishReason, GenerationChunk, RequestHandle, Sampl
 from serving.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
 from serving.structured import GrammarError, tool_call_grammar
 from serving.tools import CallMode, messages_for_plain_template
+from serving.traffic import TrafficTag
 
 if TYPE_CHECKING:
     from serving.engine import Engine
@@ -389,7 +390,7 @@ class OpenAIRoutes:
         tokens = await _off_loop(lambda: engine.tokenize_prompt(prompt))
         grammar = _grammar(body, plan.grammar)
         params = _params(body, engine, grammar)
-        handles = self._submit(engine, tokens, params, body.n, param="messages")
+        handles = self._submit(engine, tokens, params, body.n, param="messages", streamed=body.stream)
         reasoning = body.reasoning_format != ReasoningFormat.none
         thinking_open = reasoning and prompt.rstrip().endswith(THINK_START)
         states = [ChoiceState(i, reasoning=reasoning, thinking_open=thinking_open, tools=plan.calls)
@@ -413,7 +414,7 @@ class OpenAIRoutes:
         handles: list[RequestHandle] = []
         try:
             for tokens in tokenized:
-                handles += self._submit(engine, tokens, params, body.n, param="prompt")
+                handles += self._submit(engine, tokens, params, body.n, param="prompt", streamed=body.stream)
         except BaseException:
             for handle in handles:  # a later prompt was refused: the earlier ones must not run for nobody
                 handle.cancel()
@@ -434,7 +435,7 @@ class OpenAIRoutes:
             messages = body.messages()
             prompt = await _off_loop(lambda: _render(engine, messages, None, {}, request))
             tokens = await _off_loop(lambda: engine.tokenize_prompt(prompt))
-            handle = self._submit(engine, tokens, body.sampling_params(), 1, param="input")[0]
+            handle = self._submit(engine, tokens, body.sampling_params(), 1, param="input", streamed=body.stream)[0]
         answer = ResponsesAnswer(engine.config.served_name, body.model_dump(mode="json"))
         state = ChoiceState(0)
         if body.stream:
@@ -532,9 +533,10 @@ class OpenAIRoutes:
                 yield event
 
     def _submit(self, engine: Engine, tokens: list[int], params: SamplingParams, n: int,
-                param: str) -> list[RequestHandle]:
+                param: str, streamed: bool) -> list[RequestHandle]:
+        """Hand one prompt's choices to the engine, tagged as client traffic (its shape is recorded)."""
         try:
-            return engine.submit_choices(tokens, params, n)
+            return engine.submit_choices(tokens, params, n, traffic=TrafficTag(streamed=streamed))
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded",  # llama-server's numbers:
                            details={"n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx_slot}) from exc

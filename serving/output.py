@@ -7,6 +7,9 @@ last chunk is pushed, so a caller that sees its last chunk finds its slot alread
 
 One request's trouble stays its own: a detokeniser that raises fails that request only, and a reader
 whose event loop has gone (a client that disconnected) gets its request cancelled, nothing more.
+
+Every request's end passes here, whatever ended it (the scheduler, a stop string, an abort), which is why a
+client request's shape (serving/traffic.py) is completed here: once per choice's end, never per token.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from serving.detok import IncrementalDetokenizer
 from serving.request import FinishReason, GenerationChunk, Request, RequestHandle
 from serving.scheduler import RequestOutput
+from serving.traffic import RequestShape, ShapeInProgress
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +40,26 @@ class Delivery:
 class _Live:
     handle: RequestHandle
     detok: IncrementalDetokenizer
+    shape: ShapeInProgress | None = None  # a client request's shape, shared by its choices
 
 
 class OutputProcessor:
     """Owned by the engine's step thread, like the scheduler."""
 
-    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+    def __init__(self, token_bytes: Callable[[int], bytes],
+                 on_shape: Callable[[RequestShape], None] | None = None) -> None:
+        """`on_shape` takes each recorded request's shape once its last choice has ended."""
         self._token_bytes = token_bytes
+        self._on_shape = on_shape
         self._live: dict[int, _Live] = {}
 
     def rebind(self, token_bytes: Callable[[int], bytes]) -> None:
         """New weights (a reconfigure that reloaded the model); only called with no request running."""
         self._token_bytes = token_bytes
 
-    def add(self, request: Request, handle: RequestHandle) -> None:
-        self._live[request.id] = _Live(handle, IncrementalDetokenizer(self._token_bytes, request.params.stop))
+    def add(self, request: Request, handle: RequestHandle, shape: ShapeInProgress | None = None) -> None:
+        self._live[request.id] = _Live(handle, IncrementalDetokenizer(self._token_bytes, request.params.stop),
+                                       shape)
 
     def process(self, outputs: list[RequestOutput]) -> tuple[list[Delivery], list[tuple[int, FinishReason]]]:
         """Turn one step's outputs into chunks; also return the requests that must end now (stop strings,
@@ -68,10 +77,23 @@ class OutputProcessor:
                 chunk = GenerationChunk(finish_reason=FinishReason.error, usage=out.usage, error=DETOK_FAILED)
             if chunk.finish_reason is not None:
                 del self._live[out.request.id]
+                self._end_shape(live, chunk, out.request.id)
                 if out.finish is None:  # the scheduler still runs it: end it there first
                     ends.append((out.request.id, chunk.finish_reason))
             deliveries.append(Delivery(live.handle, chunk))
         return deliveries, ends
+
+    def _end_shape(self, live: _Live, chunk: GenerationChunk, request_id: int) -> None:
+        """One choice of a recorded request ended; the last one hands the request's shape on. Recording is
+        bookkeeping: whatever goes wrong in it is logged, and the request and the step go on."""
+        if live.shape is None or self._on_shape is None or chunk.finish_reason is None:
+            return
+        try:
+            shape = live.shape.end_choice(chunk.usage, chunk.finish_reason)
+            if shape is not None:
+                self._on_shape(shape)
+        except Exception:
+            log.exception("recording the shape of request %d failed", request_id)
 
     @staticmethod
     def _chunk(detok: IncrementalDetokenizer, out: RequestOutput) -> GenerationChunk:

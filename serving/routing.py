@@ -5,7 +5,7 @@ A replica in a trial has its engine to itself: a client request sent there waits
 With other replicas serving, that wait is needless, so generation requests and other trials go to the
 replicas not in a trial first; a replica in a trial is only the last rank (taken when every other one is
 full, and always when it is the only replica: its clients then wait their turn, as `--in-place` says).
-Read-only control routes (/slots, /metrics, /props, /health, /v1/models) never wait for a trial, so they
+Read-only control routes (/slots, /metrics, /props, /health, /v1/models, /traffic) never wait for a trial, so they
 go anywhere: /slots of a replica in a trial still says "tuning: trial 7/40".
 
 Each replica reports `{"in_trial": bool}` through Serve's routing stats (`record_routing_stats`, polled
@@ -24,7 +24,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 ROUTER = "serving.routing:TrialAwareRouter"  # by import path: every process with a handle loads it
 IN_TRIAL = "in_trial"
 ROUTING_STATS_PERIOD_S = 0.5
-READ_ONLY_PATHS = ("/slots", "/metrics", "/props", "/health", "/v1/models", "/models")
+READ_ONLY_PATHS = ("/slots", "/metrics", "/props", "/health", "/v1/models", "/models", "/traffic")
 
 
 class Replica(Protocol):

@@ -544,7 +544,7 @@ class ScriptedEngine:
     def token_piece(self, token: int) -> bytes:
         return str(token).encode()
 
-    def submit_choices(self, tokens: list[int], params: Any, n: int) -> list[Any]:
+    def submit_choices(self, tokens: list[int], params: Any, n: int, traffic: Any = None) -> list[Any]:
         return [self.submit(tokens, params) for _ in range(n)]
 
     def submit(self, tokens: list[int], params: Any) -> Any:

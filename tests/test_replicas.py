@@ -294,6 +294,38 @@ def test_two_replicas_share_the_load(two: str) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_traffic_is_merged_over_every_replica(two: str) -> None:
+    """/traffic, whichever replica answers it, counts every replica's requests: it asks them all."""
+    from ray import serve
+
+    def traffic() -> dict[str, Any]:
+        resp = httpx.get(f"{two}/traffic", timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    before = traffic()
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(complete(http, two, i) for i in range(6)))
+
+    usages = [assert_generated(r.json())["usage"] for r in asyncio.run(burst())]
+    after = traffic()
+    assert len(after["replicas"]) == 2 and after["replicas_missing"] == 0, after["replicas"]
+    assert after["totals"]["requests"] - before["totals"]["requests"] == 6
+    assert after["totals"]["output_tokens"] - before["totals"]["output_tokens"] == 6 * 8
+    assert after["totals"]["prompt_tokens"] - before["totals"]["prompt_tokens"] == sum(
+        u["prompt_tokens"] for u in usages)
+    arrivals = [s["arrival"] for s in after["recent"]["requests"]]
+    assert arrivals == sorted(arrivals)  # both replicas' arrivals, interleaved in time order
+    # the merged answer is the sum of what each replica holds
+    handle = serve.get_deployment_handle(serving_app.DEPLOYMENT_NAME, app_name=APP)
+    each = handle.broadcast("traffic_summary").results(timeout_s=30)
+    assert sorted(r for s in each for r in s.replicas) == after["replicas"]
+    assert sum(s.totals.requests for s in each) == traffic()["totals"]["requests"]
+
+
+@pytest.mark.timeout(300)
 def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_path: Path) -> None:
     """Serve routes around a replica running an in-place trial (serving/routing.py): every client request
     sent during the trial is served by the other replica, none waits for the trial."""
