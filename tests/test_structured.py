@@ -7,10 +7,10 @@ import json
 import pytest
 
 from serving.reasoning import ThinkSplitter, split_reasoning
-from serving.structured import GrammarError, json_schema_grammar, response_format_grammar, tool_call_grammar
 from serving.tools import ToolCallStream, messages_for_plain_template, parse_tool_calls
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text,content,names", [
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "", ["get_weather"]),
     ('Let me check.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", '
@@ -29,6 +29,7 @@ def test_parse_tool_calls(text: str, content: str | None, names: list[str]) -> N
         assert isinstance(json.loads(call.arguments), dict) and call.id.startswith("call_")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("pieces", [
     ["Sure", ". ", "<tool", "_call>\n{\"name\": \"f\", ", "\"arguments\": {\"a\": 1}}\n</tool_call>"],
     ["Sure. <tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>"],
@@ -41,6 +42,7 @@ def test_tool_call_stream_releases_content_and_holds_the_call(pieces: list[str])
     assert "<" not in released
 
 
+@pytest.mark.unit
 def test_tool_call_stream_gives_back_text_that_was_no_call() -> None:
     stream = ToolCallStream()
     released = "".join(stream.feed(p) for p in ["a <to", "ol party", " tonight"])
@@ -48,6 +50,7 @@ def test_tool_call_stream_gives_back_text_that_was_no_call() -> None:
     assert released + rest == "a <tool party tonight" and calls == []
 
 
+@pytest.mark.unit
 def test_plain_template_messages_carry_tools_calls_and_results() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     msgs = messages_for_plain_template([
@@ -61,6 +64,7 @@ def test_plain_template_messages_carry_tools_calls_and_results() -> None:
                                                                 "content": "<tool_response>\n42\n</tool_response>"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("pieces,inside", [
     (["<think>\nplan ", "the answer", "</think>\n\nThe answer."], False),
     (["<thi", "nk>plan the answer</th", "ink>", "\n", "The answer."], False),
@@ -74,12 +78,16 @@ def test_think_splitter(pieces: list[str], inside: bool) -> None:
     assert reasoning == "plan the answer" and content == "The answer."
 
 
+@pytest.mark.unit
 def test_text_without_think_is_all_content() -> None:
     assert split_reasoning("Hello <think> is just a word here") == ("", "Hello <think> is just a word here")
     assert split_reasoning("<think>unfinished") == ("unfinished", "")
 
 
+@pytest.mark.engine
 def test_grammars_compile_and_bad_schemas_say_why() -> None:
+    from serving.structured import GrammarError, json_schema_grammar, response_format_grammar, tool_call_grammar
+
     assert "root ::=" in json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
     assert response_format_grammar("text") is None
     assert "root" in response_format_grammar("json_object")
@@ -92,6 +100,7 @@ def test_grammars_compile_and_bad_schemas_say_why() -> None:
         response_format_grammar("yaml")
 
 
+@pytest.mark.engine
 def test_forced_call_schemas_get_length_bounds() -> None:
     from serving.structured import MAX_CALL_ITEMS, MAX_CALL_STRING, bounded
 
@@ -103,6 +112,7 @@ def test_forced_call_schemas_get_length_bounds() -> None:
     assert "maxLength" not in schema["properties"]["a"]  # the caller's schema is left as it was
 
 
+@pytest.mark.unit
 def test_chat_template_sees_tools_and_template_kwargs() -> None:
     from serving.chat_template import ChatTemplate
 
