@@ -17,15 +17,17 @@ import time
 import urllib.parse
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from measure.metrics import StreamRecord
 from measure.sse import SSEDecoder, StreamError, interpret_chunk
 from measure.workload import Prompt
 from serving.config import EngineConfig
-from serving.engine import Engine
 from serving.repack import llama_server_args
 from serving.request import SamplingParams
+
+if TYPE_CHECKING:  # imported where an engine is built: the HTTP and llama-server helpers need no libllama
+    from serving.engine import Engine
 
 MAX_CONNECTIONS = 64
 LOOPBACK_NAMES = ("localhost",)
@@ -73,6 +75,8 @@ class EngineTarget:
 @contextlib.contextmanager
 def loaded_engine(config: EngineConfig, name: str = "in-process") -> Any:
     """An EngineTarget on a freshly loaded engine, closed afterwards."""
+    from serving.engine import Engine
+
     engine = Engine(config)
     try:
         yield EngineTarget(engine, name)

@@ -21,17 +21,19 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.api import APIError
 from serving.config import EngineConfig
-from serving.engine import Engine
+
+if TYPE_CHECKING:  # only annotations here: importing this module loads no libllama (its tests use a fake engine)
+    from serving.engine import Engine
 
 log = logging.getLogger("serving")
 
 IDLE_POLL_S = 0.05
 DRAIN_TIMEOUT_S = 600.0  # admitted requests get this long to finish before a trial gives up its turn
-Measure = Callable[[Engine], Any]  # the tuner's measurement; what it returns is the tuner's business
+Measure = Callable[["Engine"], Any]  # the tuner's measurement; what it returns is the tuner's business
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,74 @@
-"""Shared fixtures: one in-process engine, and one Ray Serve instance for the whole session.
+"""Shared fixtures: one in-process engine, and one Ray Serve instance for the whole session; the test lanes.
 
 Everything runs on CPU with the embedded SmolLM2-135M model. Ray starts once per session (10-40 s) and
 is shut down at the end.
+
+Lanes (markers registered in pyproject.toml): every test is in exactly one of `unit`, `engine`, `serve`,
+checked at collection, so `python -m pytest -m unit` runs the fast lane. That lane stays fast because
+collecting a test module imports neither Ray nor libllama (checked below: heavy imports go inside the
+fixture or test that needs them) and a unit test imports neither while it runs (checked after each one).
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import sys
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
-from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
-from serving.config import EngineConfig
-from serving.engine import Engine
+if TYPE_CHECKING:
+    from serving.engine import Engine
+
+LANES = ("unit", "engine", "serve")
+HEAVY = ("ray", "llama_cpp")  # what collecting, and the unit lane, never imports (seconds each on 2 cores)
+RAY_FIXTURES = frozenset({"ray_session", "serve_url", "client", "model"})
+_HEAVY_BEFORE = pytest.StashKey[frozenset[str]]()
+_heavy_collections: list[str] = []
+
+
+def _heavy_loaded() -> frozenset[str]:
+    return frozenset(m for m in HEAVY if m in sys.modules)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    before = _heavy_loaded()
+    yield
+    if isinstance(collector, pytest.Module) and (new := _heavy_loaded() - before):
+        _heavy_collections.append(f"{collector.nodeid} imports {', '.join(sorted(new))} at import time")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every run checks every collected test
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    wrong = list(_heavy_collections)
+    for item in items:
+        lanes = sorted({m.name for m in item.iter_markers() if m.name in LANES})
+        if len(lanes) != 1:
+            wrong.append(f"{item.nodeid}: lanes {lanes or 'none'}; mark it with exactly one of {', '.join(LANES)}")
+        elif (ray := RAY_FIXTURES & set(item.fixturenames)) and lanes != ["serve"]:
+            wrong.append(f"{item.nodeid}: lane {lanes[0]} but uses {', '.join(sorted(ray))} (Ray): lane serve")
+        elif "engine" in item.fixturenames and lanes == ["unit"]:
+            wrong.append(f"{item.nodeid}: lane unit but uses the engine fixture: lane engine")
+    if wrong:
+        raise pytest.UsageError("tests/conftest.py, lanes:\n  " + "\n  ".join(wrong))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_HEAVY_BEFORE] = _heavy_loaded()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if item.get_closest_marker("unit") is not None and _HEAVY_BEFORE in item.stash:
+        if new := _heavy_loaded() - item.stash[_HEAVY_BEFORE]:
+            pytest.fail(f"a unit test imported {', '.join(sorted(new))}: it belongs in lane engine or serve",
+                        pytrace=False)
+
 
 N_PARALLEL = 4
 N_CTX = 4096  # 1024 tokens per slot
@@ -25,6 +76,9 @@ N_CTX = 4096  # 1024 tokens per slot
 
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
+    from serving.config import EngineConfig
+    from serving.engine import Engine  # through serving.llama: ray before libllama (the load order)
+
     eng = Engine(EngineConfig(n_parallel=N_PARALLEL, n_ctx=N_CTX, seed=1234))
     yield eng
     eng.close()
@@ -37,6 +91,8 @@ def _free_port() -> int:
 
 
 def wait_healthy(url: str, timeout: float = 180.0) -> None:
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -50,6 +106,8 @@ def wait_healthy(url: str, timeout: float = 180.0) -> None:
 
 def wait_idle(url: str, timeout: float = 120.0) -> dict[str, Any]:
     """Until no slot is busy and nothing waits (what cancelled requests must come back to); the last /slots."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     while True:
         stats = httpx.get(f"{url}/slots", timeout=30).json()

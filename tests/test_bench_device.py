@@ -19,10 +19,13 @@ GiB = 1 << 30
 
 @pytest.fixture(scope="module")
 def bd():
-    """The script imported as a module (scripts/ is not a package: put it on the path just for the import)."""
+    """The script imported as a module (scripts/ is not a package: put it on the path just for the import).
+
+    It imports serving.llama (libllama) first, as every script does: the tests using it are in lane engine."""
     yield from script_module("bench_device")
 
 
+@pytest.mark.unit
 def test_bandwidth_counts_read_and_write() -> None:
     bw = Bandwidth.of(GiB, [0.5, 0.25, 1.0])
     assert bw.median_s == 0.5 and bw.copies == 3
@@ -31,12 +34,14 @@ def test_bandwidth_counts_read_and_write() -> None:
     assert bw.worst_bytes_per_s == pytest.approx(2 * GiB)
 
 
+@pytest.mark.unit
 def test_bandwidth_ignores_zero_times_and_refuses_none() -> None:
     assert Bandwidth.of(100, [0.0, 1.0]).copies == 1
     with pytest.raises(ValueError):
         Bandwidth.of(100, [0.0])
 
 
+@pytest.mark.unit
 def test_roofline_matches_device_notes() -> None:
     # shared/device-notes.md: 4.18 TB/s over a 15.32 GB model -> ~273 tok/s single stream
     assert roofline_tok_s(4.18e12, 15_320_000_000) == pytest.approx(272.8, abs=0.5)
@@ -44,16 +49,19 @@ def test_roofline_matches_device_notes() -> None:
     assert roofline_tok_s(900e9, 14_500_000_000) == pytest.approx(62.07, abs=0.01)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bw, per_token", [(None, 10), (1e9, None), (1e9, 0), (0.0, 10), (1e9, -5)])
 def test_roofline_missing_inputs(bw, per_token):
     assert roofline_tok_s(bw, per_token) is None
 
 
+@pytest.mark.unit
 def test_bandwidth_measured_in_a_child_on_the_host() -> None:
     bw = measure_bandwidth(cuda=False, gib=0.001, repeats=2, timeout_s=60)
     assert bw.copies == 2 and bw.bytes_per_s > 0 and "numpy" in bw.method
 
 
+@pytest.mark.engine
 def test_ratio(bd):
     assert bd.ratio(50.0, 100.0) == 0.5
     assert bd.ratio(None, 100.0) is None
@@ -61,6 +69,7 @@ def test_ratio(bd):
     assert bd.ratio(50.0, 0.0) is None
 
 
+@pytest.mark.engine
 def test_parse_configs(bd):
     assert bd.parse_configs("np4, article") == ["np4", "article"]
     with pytest.raises(argparse.ArgumentTypeError, match="choose from"):
@@ -69,6 +78,7 @@ def test_parse_configs(bd):
         bd.parse_configs(" , ")
 
 
+@pytest.mark.engine
 def test_the_named_configs_are_the_articles(bd):
     article, np4 = bd.CONFIGS["article"], bd.CONFIGS["np4"]
     assert (article.n_ctx, article.n_parallel, article.n_batch, article.type_k.value) == (4096, 2, 512, "q8_0")
@@ -95,6 +105,7 @@ def _report() -> dict:
     }
 
 
+@pytest.mark.engine
 def test_build_rows_orders_targets_and_computes_ratios(bd):
     rows = bd.build_rows(_report())
     assert [r.target for r in rows] == ["llama-server", "ours in-process", "ours HTTP"]
@@ -107,6 +118,7 @@ def test_build_rows_orders_targets_and_computes_ratios(bd):
     assert http.error == "RuntimeError: boom" and http.single_tok_s is None and http.ratio_single is None
 
 
+@pytest.mark.engine
 def test_build_rows_without_llama_server_has_no_ratios(bd):
     report = _report()
     del report["configs"]["article"]["targets"]["llama-server"]
@@ -115,6 +127,7 @@ def test_build_rows_without_llama_server_has_no_ratios(bd):
     assert ours.ratio_single is None and ours.roofline_fraction is None and ours.single_tok_s == 90.0
 
 
+@pytest.mark.engine
 def test_format_table(bd):
     text = bd.format_table(bd.build_rows(_report()), "VRAM")
     lines = text.splitlines()
@@ -125,10 +138,12 @@ def test_format_table(bd):
     assert "- / -" in lines[http] and lines[http + 1].strip() == "! RuntimeError: boom"
 
 
+@pytest.mark.engine
 def test_format_table_empty(bd):
     assert len(bd.format_table([]).splitlines()) == 2
 
 
+@pytest.mark.engine
 def test_describe_error_names_the_limit(bd):
     assert bd.describe_error(TimeoutError(), 600) == "TimeoutError: phase exceeded 600 s"
     assert bd.describe_error(ValueError("bad"), 600) == "ValueError: bad"

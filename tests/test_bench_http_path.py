@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from tests.helpers import script_module
 
+pytestmark = pytest.mark.engine  # the script imports serving.llama (libllama) first, as every script does
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,12 @@ pick and the within-noise verdict."""
 
 from __future__ import annotations
 
+import pytest
+
 from serving.config import EngineConfig
 from tuning.confirm import Candidate, Figures, confirm, decide, markdown, rotation
+
+pytestmark = pytest.mark.unit
 
 A, B, BASE = (EngineConfig(n_parallel=n, n_ctx=1024 * n) for n in (1, 2, 4))
 

@@ -1,6 +1,10 @@
 """Incremental detokenisation: UTF-8 split across tokens, stop strings across tokens."""
 
+import pytest
+
 from serving.detok import IncrementalDetokenizer, StopMatcher
+
+pytestmark = pytest.mark.unit
 
 
 def _detok(pieces: dict[int, bytes], stops: tuple[str, ...] = ()) -> IncrementalDetokenizer:

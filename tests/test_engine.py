@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import pytest
 
-from serving.engine import Engine, PromptTooLongError
+from serving.errors import PromptTooLongError
 from serving.request import FinishReason, SamplingParams
 from tests.helpers import collect
+
+if TYPE_CHECKING:
+    from serving.engine import Engine
+
+pytestmark = pytest.mark.engine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 PROMPTS = [
@@ -44,6 +50,8 @@ def test_follow_up_turn_reuses_the_slot_prefix(engine: Engine) -> None:
     n_prompt = len(engine.tokenize_prompt(follow_up))
     assert evaluated < n_prompt / 2
     # the same prompt on an engine with nothing cached gives the same answer
+    from serving.engine import Engine
+
     fresh = Engine(engine.config)
     try:
         text_fresh, _ = generate(fresh, follow_up)

@@ -12,16 +12,20 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-import serving.engine as engine_module
 from serving.config import EngineConfig
-from serving.engine import Engine
 from serving.errors import EngineError, EngineStoppedError, QueueFullError
-from serving.llama import LlamaContext, LlamaModel
 from serving.request import FinishReason, SamplingParams
 from tests.helpers import collect
+
+if TYPE_CHECKING:
+    from serving.engine import Engine
+    from serving.llama import LlamaModel
+
+pytestmark = pytest.mark.engine
 
 SMALL = EngineConfig(n_parallel=2, n_ctx=1024, seed=7)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -30,6 +34,8 @@ SHORT = SamplingParams(max_tokens=2, temperature=0.0)
 
 @pytest.fixture
 def small() -> Iterator[Engine]:
+    from serving.engine import Engine
+
     eng = Engine(SMALL)
     yield eng
     eng.close()
@@ -83,6 +89,8 @@ def test_a_penalised_request_among_greedy_ones_succeeds(engine: Engine) -> None:
 
 
 def test_a_failing_sampler_fails_only_its_request(small: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving.llama import LlamaContext
+
     real = LlamaContext.new_sampler
 
     def new_sampler(self, params, default_seed):  # noqa: ANN001, ANN202
@@ -124,6 +132,8 @@ def test_token_ids_outside_the_vocabulary_are_refused(small: Engine) -> None:
 
 
 def test_a_full_queue_is_refused_with_a_retry_hint() -> None:
+    from serving.engine import Engine
+
     eng = Engine(SMALL, max_queued=1)
     try:
         tokens = eng.tokenize_prompt("Count to a thousand:")
@@ -142,6 +152,9 @@ def test_a_full_queue_is_refused_with_a_retry_hint() -> None:
 
 # -- close and rebuild -------------------------------------------------------------------------------
 def test_close_never_frees_a_context_that_is_still_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    import serving.engine as engine_module
+    from serving.engine import Engine
+
     eng = Engine(SMALL)
     ctx = eng._ctx  # noqa: SLF001 (the object whose lifetime is under test)
     entered, release = threading.Event(), threading.Event()
@@ -171,6 +184,9 @@ class _FailingContexts:
     """Makes LlamaContext creation fail for chosen configs (as an out-of-memory would)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import serving.engine as engine_module
+        from serving.llama import LlamaContext
+
         self.fail: set[int] = set()  # n_ctx values that fail
         real = LlamaContext
 
@@ -192,6 +208,9 @@ def test_a_failed_reconfigure_restores_the_old_config(small: Engine, monkeypatch
 
 
 def test_a_failed_reload_frees_the_new_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving.engine import Engine
+    from serving.llama import LlamaModel
+
     copy = tmp_path / "copy.gguf"
     shutil.copy(SMALL.model_path, copy)
     freed: list[Path] = []
@@ -218,6 +237,8 @@ def test_a_failed_reload_frees_the_new_weights(tmp_path: Path, monkeypatch: pyte
 
 def test_when_even_the_old_config_cannot_be_restored_the_engine_stops_cleanly(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving.engine import Engine
+
     eng = Engine(SMALL)
     tokens = eng.tokenize_prompt("Count to a thousand:")
     contexts = _FailingContexts(monkeypatch)

@@ -14,15 +14,17 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
 import pytest
 
 from tests.conftest import (
     FINISHED, N_PARALLEL, assert_generated, assert_stream_finished, sse_events, wait_healthy, wait_idle,
 )
+
+if TYPE_CHECKING:
+    import openai
 
 
 def chat(client: openai.OpenAI, model: str, content: str, **kw) -> str:
@@ -32,12 +34,14 @@ def chat(client: openai.OpenAI, model: str, content: str, **kw) -> str:
     return resp.choices[0].message.content
 
 
+@pytest.mark.serve
 def test_models_lists_the_served_model(client: openai.OpenAI, model: str) -> None:
     assert model == "SmolLM2-135M-Instruct.Q4_1"
     meta = client.models.list().model_dump()["data"][0]["meta"]
     assert meta["n_vocab"] > 1000 and meta["n_ctx_slot"] == 1024 and meta["n_ctx_train"] > 0
 
 
+@pytest.mark.serve
 def test_chat_and_completion_with_usage(client: openai.OpenAI, model: str) -> None:
     resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi!"}],
                                           temperature=0, max_tokens=8)
@@ -47,6 +51,7 @@ def test_chat_and_completion_with_usage(client: openai.OpenAI, model: str) -> No
     assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 6
 
 
+@pytest.mark.serve
 def test_streaming_matches_non_streaming_including_chinese(client: openai.OpenAI, model: str) -> None:
     prompt = "请用中文介绍一下长城。"
     whole = chat(client, model, prompt, max_tokens=48)
@@ -66,6 +71,7 @@ def test_streaming_matches_non_streaming_including_chinese(client: openai.OpenAI
     assert usage is not None and usage.completion_tokens > 0 and reasons[-1] in FINISHED
 
 
+@pytest.mark.serve
 def test_raw_stream_ends_with_done_and_carries_no_error(serve_url: str) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 12, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
@@ -76,7 +82,10 @@ def test_raw_stream_ends_with_done_and_carries_no_error(serve_url: str) -> None:
     assert events[-1]["usage"]["completion_tokens"] == 12
 
 
+@pytest.mark.serve
 def test_concurrent_greedy_requests_match_each_alone(client: openai.OpenAI, model: str) -> None:
+    import openai
+
     prompts = ["Name a fruit.", "What is 2+2?", "Describe the sea.", "Say something about cats.",
                "Why is the sky blue?"]
     alone = [chat(client, model, p) for p in prompts]
@@ -95,6 +104,7 @@ def _slots(serve_url: str) -> dict:
     return httpx.get(f"{serve_url}/slots", timeout=30).json()
 
 
+@pytest.mark.serve
 def test_follow_up_turn_prefills_fewer_tokens(serve_url: str, client: openai.OpenAI, model: str) -> None:
     messages = [{"role": "user", "content": "Write two sentences about a quiet harbour town at dawn."}]
     first = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=40)
@@ -113,6 +123,7 @@ def test_follow_up_turn_prefills_fewer_tokens(serve_url: str, client: openai.Ope
     assert again.choices[0].message.content == second.choices[0].message.content
 
 
+@pytest.mark.serve
 def test_cancelled_streams_leave_every_slot_free(serve_url: str) -> None:
     body = {"prompt": "Count slowly from one to a thousand:", "max_tokens": 900, "stream": True,
             "temperature": 0, "ignore_eos": True}
@@ -192,6 +203,7 @@ async def backlog(base: str, queued: int) -> AsyncIterator[httpx.AsyncClient]:
             await asyncio.gather(*streams, return_exceptions=True)
 
 
+@pytest.mark.serve
 def test_control_routes_answer_while_64_requests_are_queued(busy: str) -> None:
     async def probe() -> dict[str, httpx.Response]:
         async with backlog(busy, QUEUED) as http:
@@ -209,6 +221,7 @@ def test_control_routes_answer_while_64_requests_are_queued(busy: str) -> None:
     assert stats["counters"]["requests_cancelled"] >= QUEUED
 
 
+@pytest.mark.serve
 def test_full_engine_queue_answers_503_with_retry_after_and_the_app_keeps_serving(busy: str) -> None:
     async def overflow() -> list[httpx.Response]:
         async with backlog(busy, QUEUED) as http:
@@ -230,6 +243,7 @@ def test_full_engine_queue_answers_503_with_retry_after_and_the_app_keeps_servin
     assert re.search(r'^llm_requests_rejected_total\{cause="queue_full"[^}]*\} [2-9]', metrics, re.M), metrics
 
 
+@pytest.mark.serve
 def test_metrics_count_requests_by_finish_reason_and_ttft(serve_url: str) -> None:
     def count(text: str, name: str, **labels: str) -> float:
         pattern = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
@@ -249,6 +263,7 @@ def test_metrics_count_requests_by_finish_reason_and_ttft(serve_url: str) -> Non
     assert count(a, "llm_prompt_tokens_total") > count(b, "llm_prompt_tokens_total")
 
 
+@pytest.mark.serve
 def test_stream_cut_by_an_engine_error_ends_with_an_error_event_then_done(ray_session: None, serve_url: str) -> None:
     """A real engine failure: a prompt waiting for the slot that no longer fits it after a live config change
     (2048 -> 1024 tokens a slot) ends with an error. Its stream, already under way (200, headers out),
@@ -392,6 +407,7 @@ ENGINE_BAD_REQUESTS = BAD_REQUESTS + [  # checked by the engine itself (the scri
 ]
 
 
+@pytest.mark.serve
 @pytest.mark.parametrize("name,path,body,status,code", ENGINE_BAD_REQUESTS, ids=[b[0] for b in ENGINE_BAD_REQUESTS])
 def test_bad_input_gets_openai_error_and_server_keeps_serving(serve_url: str, name: str, path: str, body: Any,
                                                               status: int, code: str | None) -> None:
@@ -400,6 +416,7 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(serve_url: str, na
     assert ok.status_code == 200 and assert_generated(ok.json())["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.serve
 @pytest.mark.parametrize("name,path,body", ODD_BUT_VALID, ids=[b[0] for b in ODD_BUT_VALID])
 def test_odd_but_valid_requests_are_served(serve_url: str, name: str, path: str, body: dict) -> None:
     resp = _send(serve_url, path, {**body, "max_tokens": body.get("max_tokens") or 4})
@@ -407,6 +424,7 @@ def test_odd_but_valid_requests_are_served(serve_url: str, name: str, path: str,
     assert_generated(resp.json())
 
 
+@pytest.mark.serve
 def test_what_llama_server_clients_send_and_read(serve_url: str) -> None:
     """llama-server's names: the /chat/completions and /models aliases, n_predict for max_tokens, its
     `timings` object (also on a stream's usage chunk), its numbers on a context overflow, the seed in /props."""
@@ -438,6 +456,7 @@ def test_what_llama_server_clients_send_and_read(serve_url: str) -> None:
     assert isinstance(props["default_generation_settings"]["params"]["seed"], int)
 
 
+@pytest.mark.serve
 def test_system_fingerprint_names_the_running_config(serve_url: str) -> None:
     """Every answer, whole or streamed, carries the fingerprint of the engine config that produced it; another
     config has another (a live switch shows in the answers)."""
@@ -454,16 +473,19 @@ def test_system_fingerprint_names_the_running_config(serve_url: str) -> None:
     assert running.model_copy(update={"n_batch": running.n_batch // 2}).fingerprint() != running.fingerprint()
 
 
+@pytest.mark.serve
 def test_wrong_method_is_a_json_405(serve_url: str) -> None:
     resp = httpx.get(f"{serve_url}/v1/completions", timeout=30)
     assert resp.status_code == 405 and resp.json()["error"]["code"] == "method_not_allowed"
 
 
+@pytest.mark.serve
 def test_streaming_error_is_sent_as_error_status_before_the_stream(serve_url: str) -> None:
     resp = httpx.post(f"{serve_url}/v1/completions", json={"prompt": "word " * 3000, "stream": True}, timeout=60)
     assert resp.status_code == 400 and json.loads(resp.text)["error"]["code"] == "context_length_exceeded"
 
 
+@pytest.mark.serve
 def test_openapi_schema_documents_openai_errors_not_422(serve_url: str) -> None:
     schema = httpx.get(f"{serve_url}/openapi.json", timeout=30).json()
     post = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
@@ -471,6 +493,7 @@ def test_openapi_schema_documents_openai_errors_not_422(serve_url: str) -> None:
     assert "ErrorBody" in schema["components"]["schemas"]
 
 
+@pytest.mark.serve
 def test_api_key_is_enforced_when_set(ray_session: None, serve_url: str) -> None:
     from ray import serve
 
@@ -596,6 +619,7 @@ def _events(resp: Any) -> list[dict[str, Any]]:
     return sse_events(resp.text.splitlines(), allow_error=True)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("path,body", [(COMP, {"prompt": "Hi"}), (CHAT, {"messages": MSG})])
 def test_scripted_stream_cut_by_engine_error_ends_with_error_event_then_done(scripted: Any, path: str,
                                                                              body: dict) -> None:
@@ -614,6 +638,7 @@ def test_scripted_stream_cut_by_engine_error_ends_with_error_event_then_done(scr
     assert "error" not in "".join(json.dumps(e) for e in events[:-1])
 
 
+@pytest.mark.engine
 def test_scripted_responses_stream_cut_by_engine_error_ends_with_a_typed_error_event(scripted: Any) -> None:
     from serving.request import FinishReason, GenerationChunk
 
@@ -632,6 +657,7 @@ def assert_text(events: list[dict[str, Any]]) -> str:
     return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for e in events for c in e["choices"])
 
 
+@pytest.mark.engine
 def test_scripted_engine_error_without_stream_is_a_500_with_the_engine_message(scripted: Any) -> None:
     from serving.request import FinishReason, GenerationChunk
 
@@ -641,6 +667,7 @@ def test_scripted_engine_error_without_stream_is_a_500_with_the_engine_message(s
     assert resp.json()["error"]["message"] == "sampling failed for this request"
 
 
+@pytest.mark.engine
 def test_scripted_queue_full_is_503_with_retry_after(scripted: Any) -> None:
     from serving.errors import QueueFullError
 
@@ -655,6 +682,7 @@ def test_scripted_queue_full_is_503_with_retry_after(scripted: Any) -> None:
     assert 'llm_requests_rejected_total{cause="queue_full"' in scripted.metrics.exposition().decode()
 
 
+@pytest.mark.engine
 def test_scripted_stopped_engine_is_503(scripted: Any) -> None:
     from serving.errors import EngineStoppedError
 
@@ -664,6 +692,7 @@ def test_scripted_stopped_engine_is_503(scripted: Any) -> None:
     assert resp.json()["error"]["code"] == "engine_unavailable"
 
 
+@pytest.mark.engine
 def test_scripted_internal_error_is_generic_and_names_the_request_id(scripted: Any,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     scripted.engine.fail = RuntimeError("secret detail at /srv/models/x.gguf")
@@ -676,6 +705,7 @@ def test_scripted_internal_error_is_generic_and_names_the_request_id(scripted: A
     assert logged and "secret detail" in (logged[0].exc_text or "")
 
 
+@pytest.mark.engine
 def test_scripted_exception_inside_a_stream_is_an_error_event_and_done(scripted: Any) -> None:
     from serving.request import GenerationChunk, RequestHandle
 
@@ -694,6 +724,7 @@ def test_scripted_exception_inside_a_stream_is_an_error_event_and_done(scripted:
     assert scripted.engine.handles[-1].request.cancelled  # the engine was told to free the slot
 
 
+@pytest.mark.engine
 def test_scripted_sampling_params_are_bounded_by_the_slot(scripted: Any) -> None:
     for last_n, expected in ((-1, 1024), (10**6, 1024), (0, 0), (32, 32)):
         resp = scripted.http.post(COMP, json={"prompt": "Hi", "repeat_last_n": last_n})
@@ -702,6 +733,7 @@ def test_scripted_sampling_params_are_bounded_by_the_slot(scripted: Any) -> None
     assert scripted.engine.params[-1].max_tokens is None  # no max_tokens: the engine bounds it by the slot
 
 
+@pytest.mark.engine
 def test_scripted_body_over_the_limit_is_a_json_413(scripted: Any) -> None:
     from serving.openai import MAX_BODY_BYTES
 
@@ -710,6 +742,7 @@ def test_scripted_body_over_the_limit_is_a_json_413(scripted: Any) -> None:
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name,path,body,status,code", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_scripted_bad_input_is_4xx_json(scripted: Any, name: str, path: str, body: Any, status: int,
                                         code: str | None) -> None:
@@ -722,6 +755,7 @@ def test_scripted_bad_input_is_4xx_json(scripted: Any, name: str, path: str, bod
     _check_error(resp, status, code)
 
 
+@pytest.mark.engine
 def test_api_key_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     import hmac
 
@@ -746,6 +780,7 @@ def test_api_key_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) ->
     assert not routes.api_key_matches("Bearer nope", "sekrit", "sekrit")  # X-Api-Key only without Authorization
 
 
+@pytest.mark.engine
 def test_scripted_chunked_body_over_the_limit_is_a_json_413(scripted: Any) -> None:
     from serving.openai import MAX_BODY_BYTES
 
@@ -759,6 +794,7 @@ def test_scripted_chunked_body_over_the_limit_is_a_json_413(scripted: Any) -> No
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
 
 
+@pytest.mark.engine
 def test_scripted_responses_ids_are_spelled_as_openai_spells_them(scripted: Any) -> None:
     body = scripted.http.post("/v1/responses", json={"input": "Hi"}).json()
     assert body["id"].startswith("resp_") and body["output"][0]["id"].startswith("msg_")
@@ -789,6 +825,7 @@ def _streamed_calls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [call for e in events for c in e["choices"] for call in (c["delta"].get("tool_calls") or [])]
 
 
+@pytest.mark.engine
 def test_scripted_forced_calls_cut_by_max_tokens_keep_the_complete_ones(scripted: Any) -> None:
     """The reported bug: a forced call, then the same call again until max_tokens cut it. The complete calls
     are the answer (finish_reason length says the rest was cut); no markup is content, whole or streamed."""
@@ -806,6 +843,7 @@ def test_scripted_forced_calls_cut_by_max_tokens_keep_the_complete_ones(scripted
     assert [json.loads(a) for a in args.values()] == [{"city": "Paris"}] * 2
 
 
+@pytest.mark.engine
 def test_scripted_streamed_call_sends_its_arguments_as_they_come(scripted: Any) -> None:
     """OpenAI's framing: a call's first delta carries index, id, type, name and the start of its arguments;
     the later ones only index and more arguments (an event per token: logprobs are asked for)."""
@@ -822,6 +860,7 @@ def test_scripted_streamed_call_sends_its_arguments_as_they_come(scripted: Any) 
     assert first["function"]["arguments"] + "".join(d["function"]["arguments"] for d in rest) == '{"city": "Paris"}'
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("parallel,repeats", [(None, False), (False, False), (True, True)])
 def test_scripted_forced_calls_repeat_only_when_parallel_calls_are_asked_for(scripted: Any, parallel: bool | None,
                                                                               repeats: bool) -> None:

@@ -18,9 +18,10 @@ import httpx
 import pytest
 import yaml
 
-from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
 from serving.config import EngineConfig, load_engine_config
 from tests.conftest import assert_stream_finished, sse_events, wait_idle
+
+pytestmark = pytest.mark.serve
 
 SPACE = {"n_parallel": [1, 2], "n_batch": [256, 512], "n_ubatch": [256], "ctx_per_slot": [1024],
          "type_k": ["f16", "q8_0"], "type_v": ["f16", "q8_0"], "flash_attn": ["on"]}

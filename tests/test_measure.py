@@ -15,6 +15,8 @@ from measure.targets import check_loopback_url, check_server_args, llama_server_
 from measure.workload import COPY_TASKS, PLAIN_PROMPTS, Prompts, PromptSet, Workload
 from serving.config import EngineConfig, load_engine_config
 
+pytestmark = pytest.mark.unit
+
 
 def _event(obj: dict) -> list[str]:
     return [f"data: {json.dumps(obj)}", ""]

@@ -8,16 +8,18 @@ Streamed and whole answers are compared wherever both exist.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from tests.conftest import N_PARALLEL
 
-pytestmark = pytest.mark.usefixtures("serve_url")
+if TYPE_CHECKING:
+    import openai
+
+pytestmark = [pytest.mark.serve, pytest.mark.usefixtures("serve_url")]
 
 PERSON = {"type": "object", "properties": {  # bounded, so a sampled answer ends well inside max_tokens
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -92,6 +94,8 @@ def test_completions_take_a_schema_and_a_raw_grammar(client: openai.OpenAI, mode
 
 
 def test_a_schema_that_cannot_compile_is_a_400_saying_why(client: openai.OpenAI, model: str) -> None:
+    import openai
+
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "$ref": "#/nowhere"}}})
@@ -211,6 +215,8 @@ def test_completion_logprobs_shape(client: openai.OpenAI, model: str) -> None:
 
 
 def test_n_choices(client: openai.OpenAI, model: str) -> None:
+    import openai
+
     resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell a joke."}],
                                           n=3, max_tokens=16, temperature=1.0, seed=5)
     assert [c.index for c in resp.choices] == [0, 1, 2] and len({c.message.content for c in resp.choices}) > 1
@@ -297,6 +303,8 @@ def test_responses_api_text_in_and_out(client: openai.OpenAI, model: str) -> Non
 
 
 def test_unimplemented_fields_are_refused_by_name(client: openai.OpenAI, model: str) -> None:
+    import openai
+
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=4,
                                        extra_body={"prediction": {"type": "content", "content": "x"}})

@@ -8,6 +8,8 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from serving.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams, Usage, paced
 
 
@@ -45,6 +47,7 @@ def _pushed_and_read(n: int, every_s: float, spacing_s: float | None,
     return chunks, time.monotonic() - start
 
 
+@pytest.mark.unit
 def test_paced_reader_gets_every_token_in_order_in_fewer_chunks_and_the_first_alone() -> None:
     chunks, _ = _pushed_and_read(40, 0.005, 0.05)
     tokens = [t for c in chunks for t in c.token_ids]
@@ -56,11 +59,13 @@ def test_paced_reader_gets_every_token_in_order_in_fewer_chunks_and_the_first_al
     assert chunks[-1].usage == Usage(1, 40)
 
 
+@pytest.mark.unit
 def test_unpaced_reader_keeping_up_gets_a_chunk_per_token() -> None:
     chunks, _ = _pushed_and_read(10, 0.01, 0.0)
     assert [c.token_ids for c in chunks] == [[i] for i in range(10)]
 
 
+@pytest.mark.unit
 def test_the_last_chunk_is_not_held_for_the_interval() -> None:
     """A request that ends while its reader waits out a long interval is read at once, not at its end."""
     chunks, took = _pushed_and_read(3, 0.01, 5.0, FinishReason.stop)
@@ -69,12 +74,14 @@ def test_the_last_chunk_is_not_held_for_the_interval() -> None:
     assert took < 2.5  # far below the 5 s interval (what it takes is not measured here)
 
 
+@pytest.mark.unit
 def test_a_chunk_is_read_even_when_nothing_came_during_the_interval() -> None:
     """Past the interval with nothing queued, the reader waits for the next chunk (it never returns empty)."""
     chunks, _ = _pushed_and_read(3, 0.1, 0.01)
     assert [c.token_ids for c in chunks] == [[0], [1], [2]]
 
 
+@pytest.mark.unit
 def test_a_per_token_reader_gets_one_chunk_per_token_even_when_it_lags() -> None:
     """`spacing=None` (a stream whose client asked for logprobs): chunks as pushed, never merged."""
     async def main() -> list[GenerationChunk]:
@@ -85,6 +92,7 @@ def test_a_per_token_reader_gets_one_chunk_per_token_even_when_it_lags() -> None
     assert [c.token_ids for c in asyncio.run(main())] == [[i] for i in range(10)]
 
 
+@pytest.mark.engine
 def test_auto_interval_paces_harder_only_where_decoding_takes_every_core() -> None:
     from serving.app import CPU_BOUND_INTERVAL_MS, INTERVAL_MS, stream_interval_ms
     from serving.config import EngineConfig
@@ -98,6 +106,7 @@ def test_auto_interval_paces_harder_only_where_decoding_takes_every_core() -> No
     assert stream_interval_ms(75.0, EngineConfig(), gpu_offload=True, cpus=16) == 75.0
 
 
+@pytest.mark.unit
 def test_the_interval_starts_at_the_first_chunk_with_text() -> None:
     """Tokens whose text is held back (a partial character, a possible stop string) leave the first visible
     token unpaced: it goes as soon as it comes, not an interval later."""
@@ -127,6 +136,7 @@ def test_the_interval_starts_at_the_first_chunk_with_text() -> None:
     assert "".join(c.text for c in chunks) == "<2><3>" and [t for c in chunks for t in c.token_ids] == [0, 1, 2, 3]
 
 
+@pytest.mark.unit
 def test_a_reader_sleeping_out_its_interval_is_not_woken_per_token() -> None:
     """Tokens queued while a paced reader sleeps out its interval do not each wake its event loop (a
     cross-thread call and a loop turn per token, on the replica's busy cores); the last one does."""

@@ -8,20 +8,24 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from ray.exceptions import ActorDiedError
-from ray.serve.exceptions import BackPressureError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from serving.relay import RelayedPart, RelayedRequest, RelayResponse, run_relayed
+if TYPE_CHECKING:
+    from serving.relay import RelayedPart, RelayedRequest
+
+pytestmark = pytest.mark.engine  # in-process; the relay's imports load Ray's library and libllama
 
 
 def _request(path: str, body: bytes = b"", method: str = "POST") -> RelayedRequest:
+    from serving.relay import RelayedRequest
+
     return RelayedRequest(method=method, path=path, root_path="", query_string=b"a=1",
                           headers=[(b"content-type", b"application/json"), (b"x-request-id", b"rid-1")],
                           body=body)
@@ -64,6 +68,8 @@ async def _all(parts: AsyncIterator[RelayedPart]) -> list[RelayedPart]:
 
 
 def test_a_whole_answer_is_one_part_with_its_status() -> None:
+    from serving.relay import run_relayed
+
     parts = asyncio.run(_all(run_relayed(_app(), _request("/echo", b'{"x": 1}'))))
     assert len(parts) == 1
     assert parts[0].status == 200 and not parts[0].more
@@ -71,6 +77,8 @@ def test_a_whole_answer_is_one_part_with_its_status() -> None:
 
 
 def test_a_stream_comes_in_runs_and_ends() -> None:
+    from serving.relay import run_relayed
+
     parts = asyncio.run(_all(run_relayed(_app(), _request("/burst", method="GET"))))
     assert parts[0].status == 200 and all(p.status is None for p in parts[1:])
     assert b"".join(p.body for p in parts) == b"".join(f"data: {i}\n\n".encode() for i in range(5)) + \
@@ -92,6 +100,8 @@ def _trickling(path: str, events: int) -> Starlette:
 
 
 def test_an_interval_groups_a_streams_events_and_keeps_its_bytes() -> None:
+    from serving.relay import run_relayed
+
     app = _trickling("/trickle", 10)
     plain = asyncio.run(_all(run_relayed(app, _request("/trickle", method="GET"))))
     grouped = asyncio.run(_all(run_relayed(app, _request("/trickle", method="GET"), spacing=lambda: 0.05)))
@@ -103,6 +113,8 @@ def test_an_interval_groups_a_streams_events_and_keeps_its_bytes() -> None:
 
 def test_the_end_of_a_stream_is_not_held_for_the_interval() -> None:
     """A stream that ends while the relay waits out a long interval goes at once, its end included."""
+    from serving.relay import run_relayed
+
     async def timed() -> tuple[list[RelayedPart], float]:
         app = _trickling("/short", 4)
         start = time.monotonic()
@@ -116,6 +128,8 @@ def test_the_end_of_a_stream_is_not_held_for_the_interval() -> None:
 
 
 def test_closing_the_relay_ends_the_apps_stream() -> None:
+    from serving.relay import run_relayed
+
     async def scenario() -> list[str]:
         closed, seen = asyncio.Event(), []
         parts = run_relayed(_app(closed, seen), _request("/hang", method="GET"))
@@ -129,6 +143,8 @@ def test_closing_the_relay_ends_the_apps_stream() -> None:
 
 
 def test_an_unknown_route_is_relayed_as_the_apps_404() -> None:
+    from serving.relay import run_relayed
+
     parts = asyncio.run(_all(run_relayed(_app(), _request("/nowhere", method="GET"))))
     assert parts[0].status == 404
 
@@ -158,6 +174,8 @@ class Parts:
 
 def _replay(parts: list[RelayedPart], failure: Exception | None, path: str = "/v1/chat/completions",
             lost: list[str] | None = None) -> httpx.Response:
+    from serving.relay import RelayResponse
+
     async def endpoint(_: Request) -> Response:
         sink = lost if lost is not None else []
         return RelayResponse(Parts(parts, failure), path, "rid-2", lambda: sink.append("lost"))
@@ -174,12 +192,16 @@ SSE = [(b"content-type", b"text/event-stream")]
 
 
 def test_replayed_parts_reach_the_client_unchanged() -> None:
+    from serving.relay import RelayedPart
+
     r = _replay([RelayedPart(b"data: a\n\n", True, 200, SSE), RelayedPart(b"data: [DONE]\n\n", False)], None)
     assert r.status_code == 200 and r.text == "data: a\n\ndata: [DONE]\n\n"
     assert r.headers["content-type"] == "text/event-stream"
 
 
 def test_a_replica_lost_before_answering_is_a_503_with_openai_json() -> None:
+    from ray.exceptions import ActorDiedError
+
     lost: list[str] = []
     r = _replay([], ActorDiedError(), lost=lost)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -189,6 +211,8 @@ def test_a_replica_lost_before_answering_is_a_503_with_openai_json() -> None:
 
 
 def test_a_full_serve_queue_is_a_503_overloaded() -> None:
+    from ray.serve.exceptions import BackPressureError
+
     r = _replay([], BackPressureError(num_queued_requests=64, max_queued_requests=64))
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
 
@@ -200,6 +224,9 @@ def test_a_relay_bug_is_a_500_naming_the_request_id_only() -> None:
 
 
 def test_a_stream_cut_by_a_lost_replica_ends_with_an_error_event_and_done() -> None:
+    from ray.exceptions import ActorDiedError
+    from serving.relay import RelayedPart
+
     r = _replay([RelayedPart(b'data: {"x": 1}\n\n', True, 200, SSE)], ActorDiedError())
     events = [e for e in r.text.split("\n\n") if e]
     assert events[0] == 'data: {"x": 1}'
@@ -208,6 +235,9 @@ def test_a_stream_cut_by_a_lost_replica_ends_with_an_error_event_and_done() -> N
 
 
 def test_a_cut_responses_stream_ends_with_a_typed_error_event() -> None:
+    from ray.exceptions import ActorDiedError
+    from serving.relay import RelayedPart
+
     r = _replay([RelayedPart(b"event: response.created\ndata: {}\n\n", True, 200, SSE)], ActorDiedError(),
                 path="/v1/responses")
     last = r.text.strip().split("\n\n")[-1]
@@ -217,12 +247,17 @@ def test_a_cut_responses_stream_ends_with_a_typed_error_event() -> None:
 
 @pytest.mark.parametrize("more", [True, False])
 def test_a_cut_whole_answer_is_not_padded(more: bool) -> None:
+    from ray.exceptions import ActorDiedError
+    from serving.relay import RelayedPart
+
     r = _replay([RelayedPart(b'{"a"', more, 200, [(b"content-type", b"application/json")])],
                 ActorDiedError() if more else None)
     assert r.status_code == 200 and r.text == '{"a"'
 
 
 def test_a_client_that_goes_away_cancels_the_engine_replicas_request() -> None:
+    from serving.relay import RelayResponse, RelayedPart
+
     async def scenario() -> Parts:
         parts = Parts([RelayedPart(b"data: a\n\n", True, 200, SSE)], hang=True)
         sent: list[dict] = []
@@ -266,6 +301,8 @@ class Asked:
 
 
 def test_health_is_what_a_replica_last_said_until_it_goes_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray.exceptions import ActorDiedError
+
     from serving import ingress
     from serving.ingress import NO_REPLICA, HealthReport, HealthWatch
 

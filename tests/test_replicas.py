@@ -15,11 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
-from serving import app as serving_app
 from serving.config import EngineConfig
-from serving.control import CHANNEL_NAME, ConfigFollower
-from serving.ingress import INGRESS_NAME
 from tests.conftest import assert_generated
 
 APP = "two"
@@ -35,7 +31,12 @@ def engines_of(application):  # the engine replicas' deployment: the ingress's f
 
 
 # -- placement (no Ray needed: building the app only describes it) -----------------------------------
+@pytest.mark.engine
 def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving import app as serving_app
+    from serving.control import CHANNEL_NAME
+    from serving.ingress import INGRESS_NAME
+
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: 2)
     config = EngineConfig(n_parallel=3, n_ctx=3072)
     ingress = deployment_of(serving_app.build_app(config, serving_app.ServerOptions(max_queued_requests=17)))
@@ -57,7 +58,10 @@ def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatc
     assert channel.name == CHANNEL_NAME and channel.num_replicas == 1
 
 
+@pytest.mark.engine
 def test_cpu_fallback_is_one_replica_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving import app as serving_app
+
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: 0)
     d = engines_of(serving_app.build_app(EngineConfig(n_parallel=4),
                                             serving_app.ServerOptions(control_headroom=2, cpus_per_replica=0.5)))
@@ -67,8 +71,11 @@ def test_cpu_fallback_is_one_replica_without_gpus(monkeypatch: pytest.MonkeyPatc
     assert d.max_queued_requests == 64
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("gpus", [0, 4])
 def test_explicit_replica_count_is_respected(monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
+    from serving import app as serving_app
+
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: gpus)
     for given in (3, "3"):  # `serve run ... num_replicas=3` passes a string
         d = engines_of(serving_app.main({"num_replicas": given, "n_parallel": 2, "n_ctx": 2048}))
@@ -76,9 +83,12 @@ def test_explicit_replica_count_is_respected(monkeypatch: pytest.MonkeyPatch, gp
         assert ("num_gpus" in d.ray_actor_options) == (gpus > 0)
 
 
+@pytest.mark.engine
 def test_serve_limit_does_not_depend_on_the_engine_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """A live n_parallel change cannot redeploy Serve's limit, so the limit must not depend on it: the
     engine's queue is the admission control, and Serve's limit stays above anything the engine can hold."""
+    from serving import app as serving_app
+
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: 0)
     options = serving_app.ServerOptions(max_queued_requests=8, control_headroom=3)
     limits = {engines_of(serving_app.build_app(EngineConfig(n_parallel=n, n_ctx=256 * n), options))
@@ -88,7 +98,10 @@ def test_serve_limit_does_not_depend_on_the_engine_settings(monkeypatch: pytest.
         EngineConfig(n_parallel=257, n_ctx=257 * 256)
 
 
+@pytest.mark.serve
 def test_gpu_count_comes_from_the_ray_cluster(ray_session: None) -> None:
+    from serving import app as serving_app
+
     assert serving_app._gpus_available() == 0  # the test session's Ray has 8 CPUs and no GPU
 
 
@@ -133,7 +146,10 @@ class FakeReplica:
             raise RuntimeError(f"cannot take n_parallel={config.n_parallel}")
 
 
+@pytest.mark.engine
 def test_follower_survives_a_failed_ack_and_acks_on_the_next_round() -> None:
+    from serving.control import ConfigFollower
+
     channel, replica = FakeChannel(), FakeReplica()
     follower = ConfigFollower(channel, "r1", replica.apply, poll_s=0.01)
 
@@ -151,9 +167,12 @@ def test_follower_survives_a_failed_ack_and_acks_on_the_next_round() -> None:
     asyncio.run(rounds())
 
 
+@pytest.mark.engine
 def test_follower_loop_keeps_following_through_every_kind_of_failure() -> None:
     """The loop itself (as the replica runs it): an unreachable channel, a malformed answer, a lost ack, a
     config the engine refuses; after all of them the next config is still applied and acknowledged."""
+    from serving.control import ConfigFollower
+
     channel, replica = FakeChannel(), FakeReplica(refuse=(3,))
     follower = ConfigFollower(channel, "r1", replica.apply, poll_s=0.001)
 
@@ -186,7 +205,10 @@ def test_follower_loop_keeps_following_through_every_kind_of_failure() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.engine
 def test_background_tasks_are_held_reported_when_they_stop_and_cancelled_together() -> None:
+    from serving import app as serving_app
+
     async def scenario() -> None:
         tasks = serving_app.BackgroundTasks()
         running = asyncio.Event()
@@ -242,6 +264,8 @@ def wait_for_replicas(base: str, timeout: float, exclude: frozenset[str] = froze
 def replica_actors() -> list[dict]:
     import ray
 
+    from serving import app as serving_app
+
     return [a for a in ray.util.list_named_actors(all_namespaces=True)
             if APP in a["name"] and serving_app.DEPLOYMENT_NAME in a["name"]]
 
@@ -249,6 +273,8 @@ def replica_actors() -> list[dict]:
 @pytest.fixture(scope="module")
 def two(serve_url: str) -> Iterator[str]:
     from ray import serve
+
+    from serving import app as serving_app
 
     t0 = time.monotonic()
     serve.run(serving_app.main({"num_replicas": 2, "n_parallel": 1, "n_ctx": 1024, "cpus_per_replica": 0.5,
@@ -269,6 +295,7 @@ async def complete(http: httpx.AsyncClient, base: str, i: int) -> httpx.Response
                                  "ignore_eos": True})
 
 
+@pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_two_replicas_share_the_load(two: str) -> None:
     before = slots_by_replica(two)
@@ -293,10 +320,13 @@ def test_two_replicas_share_the_load(two: str) -> None:
     assert all(s["weight_loads"] == 1 for s in after.values())
 
 
+@pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_traffic_is_merged_over_every_replica(two: str) -> None:
     """/traffic, whichever replica answers it, counts every replica's requests: it asks them all."""
     from ray import serve
+
+    from serving import app as serving_app
 
     def traffic() -> dict[str, Any]:
         resp = httpx.get(f"{two}/traffic", timeout=60)
@@ -325,12 +355,14 @@ def test_traffic_is_merged_over_every_replica(two: str) -> None:
     assert sum(s.totals.requests for s in each) == traffic()["totals"]["requests"]
 
 
+@pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_path: Path) -> None:
     """Serve routes around a replica running an in-place trial (serving/routing.py): every client request
     sent during the trial is served by the other replica, none waits for the trial."""
     from ray import serve
 
+    from serving import app as serving_app
     from serving.routing import ROUTING_STATS_PERIOD_S
 
     started, gate = tmp_path / "trial-started", tmp_path / "end-the-trial"
@@ -369,6 +401,7 @@ def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_pat
     assert finished == {busy: 0, free: 6}, finished
 
 
+@pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_killed_replica_is_replaced_and_no_request_hangs(two: str) -> None:
     import ray

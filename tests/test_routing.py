@@ -4,10 +4,14 @@ running one; read-only routes go anywhere. Pure: fake replicas, no Ray."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from serving.relay import RelayedRequest
-from serving.routing import IN_TRIAL, rank, waits_for_trials
+import pytest
+
+if TYPE_CHECKING:
+    from serving.relay import RelayedRequest
+
+pytestmark = pytest.mark.engine  # no Ray cluster, but serving.routing imports Ray Serve's router classes
 
 
 @dataclass(eq=False)
@@ -17,10 +21,14 @@ class FakeReplica:
 
 
 def relayed(path: str, root_path: str = "") -> RelayedRequest:
+    from serving.relay import RelayedRequest
+
     return RelayedRequest(method="POST", path=path, root_path=root_path, query_string=b"", headers=[], body=b"")
 
 
 def test_generation_requests_and_trials_wait_for_trials_read_only_routes_do_not() -> None:
+    from serving.routing import waits_for_trials
+
     assert waits_for_trials("forward", [relayed("/v1/chat/completions")])
     assert waits_for_trials("forward", [relayed("/v1/completions")])
     assert waits_for_trials("tune_trial", ["study", 40, {}, None])
@@ -33,6 +41,8 @@ def test_generation_requests_and_trials_wait_for_trials_read_only_routes_do_not(
 
 
 def test_replicas_in_a_trial_are_the_last_rank() -> None:
+    from serving.routing import IN_TRIAL, rank
+
     a, b, c = FakeReplica("a"), FakeReplica("b", {IN_TRIAL: True}), FakeReplica("c")
     for _ in range(20):
         ranks = rank([a, b, c], avoid_trials=True)
@@ -42,6 +52,8 @@ def test_replicas_in_a_trial_are_the_last_rank() -> None:
 
 
 def test_power_of_two_choices_first_then_the_rest() -> None:
+    from serving.routing import rank
+
     replicas = [FakeReplica(str(i)) for i in range(5)]
     seen = set()
     for _ in range(50):
@@ -52,6 +64,8 @@ def test_power_of_two_choices_first_then_the_rest() -> None:
 
 
 def test_read_only_routes_ignore_trials() -> None:
+    from serving.routing import IN_TRIAL, rank
+
     a, b = FakeReplica("a", {IN_TRIAL: True}), FakeReplica("b")
     ranks = rank([a, b], avoid_trials=False)
     assert len(ranks) == 1 and set(ranks[0]) == {a, b}

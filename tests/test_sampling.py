@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+from typing import TYPE_CHECKING
 
 import pytest
 
-from serving.engine import Engine
 from serving.request import SamplingParams
 from tests.helpers import collect
+
+if TYPE_CHECKING:
+    from serving.engine import Engine
+
+pytestmark = pytest.mark.engine
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}

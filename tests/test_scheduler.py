@@ -17,6 +17,8 @@ from serving.output import OutputProcessor
 from serving.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams
 from serving.scheduler import DECODE_FAILED, SAMPLER_FAILED, RequestOutput, Scheduler
 
+pytestmark = pytest.mark.unit
+
 VOCAB, EOS = 100, 99
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 

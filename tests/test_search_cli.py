@@ -17,6 +17,8 @@ from tuning.report import TrialRow
 from tuning.results import TrialResult
 from tuning.search import Confirmation, UserError, pick_summary, plan_line, serving_app
 
+pytestmark = pytest.mark.unit
+
 APP = SimpleNamespace(name="llama", replicas=1, serving=EngineConfig())
 
 

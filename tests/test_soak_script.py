@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 

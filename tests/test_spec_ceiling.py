@@ -8,6 +8,8 @@ import pytest
 from serving.speculate import SpecSettings
 from tests.helpers import script_module
 
+pytestmark = pytest.mark.engine  # the script imports serving.llama (libllama) first, as every script does
+
 SETTINGS = SpecSettings(draft_max=8, ngram_min=2, ngram_max=3)
 PROMPT = list(range(100, 140))  # 40 distinct tokens
 COPY = PROMPT[10:34]  # the text repeats 24 tokens of its prompt verbatim

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import pytest
+
 from serving.speculate import PromptLookup, SpecSettings
 
 
+@pytest.mark.unit
 def test_proposes_what_followed_the_last_occurrence() -> None:
     lookup = PromptLookup(SpecSettings(ngram_min=2, ngram_max=3))
     text = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
@@ -12,6 +17,7 @@ def test_proposes_what_followed_the_last_occurrence() -> None:
     assert lookup.propose(text + [4], 2) == [5, 9]
 
 
+@pytest.mark.unit
 def test_prefers_the_longest_and_latest_match() -> None:
     lookup = PromptLookup(SpecSettings(ngram_min=1, ngram_max=3))
     tokens = [7, 1, 2, 50, 8, 2, 60, 1, 2]
@@ -19,6 +25,7 @@ def test_prefers_the_longest_and_latest_match() -> None:
     assert PromptLookup(SpecSettings(ngram_min=1, ngram_max=1)).propose(tokens, 1) == [60]
 
 
+@pytest.mark.unit
 def test_no_match_no_guess_and_no_self_match() -> None:
     lookup = PromptLookup(SpecSettings())
     assert lookup.propose([1, 2, 3, 4], 5) == []
@@ -26,13 +33,13 @@ def test_no_match_no_guess_and_no_self_match() -> None:
 
 
 # -- on the real model -------------------------------------------------------------------------------
-import pytest  # noqa: E402
-
 from serving.config import EngineConfig  # noqa: E402
-from serving.engine import Engine  # noqa: E402
 from serving.request import SamplingParams  # noqa: E402
 from measure.workload import COPY_TASKS, source_text  # noqa: E402
 from tests.helpers import collect  # noqa: E402
+
+if TYPE_CHECKING:
+    from serving.engine import Engine
 
 CODE = '''def add(a, b):
     """Return the sum of a and b."""
@@ -48,6 +55,8 @@ COPY = f"Repeat this code exactly, then stop:\n\n{CODE}\nHere it is again:\n"
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[Engine, Engine]:
+    from serving.engine import Engine
+
     plain = Engine(EngineConfig(n_parallel=2, n_ctx=2048, seed=3))
     spec = Engine(EngineConfig(n_parallel=2, n_ctx=2048, seed=3, spec_mode="ngram", spec_draft_max=8))
     yield plain, spec
@@ -59,6 +68,7 @@ def _chat(engine: Engine, text: str) -> list[int]:
     return engine.tokenize_prompt(engine.render_chat([{"role": "user", "content": text}]))
 
 
+@pytest.mark.engine
 def test_greedy_text_is_identical_with_speculation(pair: tuple[Engine, Engine]) -> None:
     plain, spec = pair
     for text in (COPY, "Write two sentences about autumn."):
@@ -69,6 +79,7 @@ def test_greedy_text_is_identical_with_speculation(pair: tuple[Engine, Engine]) 
     assert counters["spec_accepted"] > 0  # it did speculate, and some guesses held
 
 
+@pytest.mark.engine
 def test_stop_strings_and_max_tokens_inside_a_draft_end_where_plain_decoding_does(pair) -> None:  # noqa: ANN001
     plain, spec = pair
     prompt = _chat(plain, COPY)
@@ -78,8 +89,11 @@ def test_stop_strings_and_max_tokens_inside_a_draft_end_where_plain_decoding_doe
         assert (a.text, a.tokens, a.finish_reason) == (b.text, b.tokens, b.finish_reason)
 
 
+@pytest.mark.engine
 def test_rollback_leaves_the_cache_exactly_the_tokens_it_holds(pair: tuple[Engine, Engine]) -> None:
     """A follow-up that reuses the speculating slot's cache must answer as an engine with nothing cached."""
+    from serving.engine import Engine
+
     plain, spec = pair
     first = _chat(spec, COPY)
     answer = collect(spec.submit(first, SamplingParams(max_tokens=64, temperature=0.0)))
@@ -97,6 +111,8 @@ def test_rollback_leaves_the_cache_exactly_the_tokens_it_holds(pair: tuple[Engin
 def batch_invariant_pair() -> tuple[Engine, Engine]:
     """Engines whose logits on CPU do not depend on what else is in the batch: a q8_0 K cache with flash
     attention (scripts/batch_numerics.py; an f16 cache takes another kernel for a lone row past 512 cells)."""
+    from serving.engine import Engine
+
     base = {"n_parallel": 3, "n_ctx": 3 * 2048, "seed": 3, "type_k": "q8_0", "type_v": "q8_0", "flash_attn": "on"}
     plain = Engine(EngineConfig(**base))
     spec = Engine(EngineConfig(**base, spec_mode="ngram", spec_draft_max=8, spec_max_busy=3))
@@ -105,6 +121,7 @@ def batch_invariant_pair() -> tuple[Engine, Engine]:
     spec.close()
 
 
+@pytest.mark.engine
 def test_past_512_cells_greedy_text_is_identical_alone_and_among_concurrent_streams(batch_invariant_pair) -> None:  # noqa: ANN001,E501
     """The copy set's long prompts, one stream and then three at once (guesses verified in batches shared with
     the other streams): speculation changes no token."""
@@ -122,6 +139,7 @@ def test_past_512_cells_greedy_text_is_identical_alone_and_among_concurrent_stre
     assert after["spec_accepted"] > before["spec_accepted"]  # guesses were verified, and some held
 
 
+@pytest.mark.engine
 def test_sampled_requests_stay_seeded_with_speculation(pair: tuple[Engine, Engine]) -> None:
     _, spec = pair
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=11)
@@ -149,12 +167,14 @@ def acceptance(p_accepted: int, misses: int) -> Acceptance:
     return a
 
 
+@pytest.mark.unit
 def test_expected_tokens_counts_the_next_token_and_each_guess_kept_in_order() -> None:
     assert expected_tokens(0.0, 8) == 1.0
     assert expected_tokens(1.0, 8) == 9.0
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
 
 
+@pytest.mark.unit
 def test_step_costs_interpolate_extrapolate_and_follow_new_measurements() -> None:
     c = costs({1: 10.0, 4: 25.0})
     assert c.relative(1, 1) == 1.0 and abs(c.relative(2, 1) - 1.5) < 1e-9  # between 1 and 4 rows
@@ -168,6 +188,7 @@ def test_step_costs_interpolate_extrapolate_and_follow_new_measurements() -> Non
     assert abs(StepCosts().relative(5, 1) - 1.4) < 1e-9  # nothing measured: optimistic, so guesses get tried
 
 
+@pytest.mark.unit
 def test_a_shapes_first_slow_step_does_not_price_guessing_out() -> None:
     """A batch shape's first decode does one-time work (a GPU builds its graph): were it the price, two rows
     would look 5x one row here, no guess would ever pay, and nothing would guess again to correct it."""
@@ -183,6 +204,7 @@ def test_a_shapes_first_slow_step_does_not_price_guessing_out() -> None:
     assert abs(c.relative(2, 1) - 1.2) < 1e-9
 
 
+@pytest.mark.unit
 def test_on_a_cpu_where_rows_cost_nearly_a_decode_each_only_near_certain_guesses_pay() -> None:
     cpu = costs({1: 10.0, 2: 16.0, 4: 25.2, 8: 45.2, 16: 83.2})  # scripts/bench_verify.py on this machine
     assert draft_length(acceptance(36, 64), cpu, 15, 1, False) == 0  # the copy set's 36%: verifying is slower
@@ -190,6 +212,7 @@ def test_on_a_cpu_where_rows_cost_nearly_a_decode_each_only_near_certain_guesses
     assert draft_length(acceptance(97, 3), cpu, 15, 1, False) >= 7
 
 
+@pytest.mark.unit
 def test_on_a_gpu_where_rows_are_nearly_free_long_drafts_pay() -> None:
     gpu = costs({1: 9.6, 2: 10.8, 4: 15.5, 8: 23.7, 16: 19.9})  # the H200, 27B-class (performance.md)
     assert draft_length(acceptance(36, 64), gpu, 15, 1, False) >= 1
@@ -197,6 +220,7 @@ def test_on_a_gpu_where_rows_are_nearly_free_long_drafts_pay() -> None:
     assert draft_length(acceptance(90, 10), gpu, 3, 1, False) == 3  # no more than offered
 
 
+@pytest.mark.unit
 def test_a_request_that_stopped_guessing_probes_again() -> None:
     """A probe bets that the text turned predictable and verifies what would then pay best."""
     cpu = costs({1: 10.0, 2: 16.0, 3: 22.0, 4: 28.0, 5: 34.0})  # a row 0.6 of a step: at p = 0.9 two guesses pay
@@ -211,6 +235,7 @@ def test_a_request_that_stopped_guessing_probes_again() -> None:
     assert low.idle_steps == 0 and low.p > 0.1
 
 
+@pytest.mark.unit
 def test_a_costly_first_verify_does_not_price_longer_drafts_out() -> None:
     """Only one and two rows measured, two at 4.5x one (the H200 with the 135M model): a line through them
     would price 17 rows at ~75x and no draft could ever pay; priced optimistically, a long one is tried."""
@@ -219,6 +244,7 @@ def test_a_costly_first_verify_does_not_price_longer_drafts_out() -> None:
     assert draft_length(acceptance(95, 5), first, 16, 1, False) >= 8
 
 
+@pytest.mark.unit
 def test_where_one_guess_costs_what_many_do_a_probe_guesses_many() -> None:
     """The H200 running the 135M model: one row decodes from a captured CUDA graph, more rows do not, so any
     verify costs ~4.5 steps, and a one-guess probe could never show a run worth that price."""
@@ -229,6 +255,7 @@ def test_where_one_guess_costs_what_many_do_a_probe_guesses_many() -> None:
     assert draft_length(acceptance(95, 5), small, 15, 1, False) == 15  # once guesses hold, long drafts pay
 
 
+@pytest.mark.unit
 def test_a_guesser_as_slow_as_the_model_is_never_probed() -> None:
     """A draft model whose guess costs what a decode of the model does cannot pay even if every guess held:
     no probe (each would cost it the catching up); one at a third of the cost is still probed."""
@@ -241,6 +268,7 @@ def test_a_guesser_as_slow_as_the_model_is_never_probed() -> None:
     assert any(draft_length(slow, cpu, 8, 1, True, guess_seconds=3.0) for _ in range(3 * PROBE_EVERY))
 
 
+@pytest.mark.unit
 def test_a_guesser_not_yet_timed_is_probed_with_three_guesses() -> None:
     """Its first guess comes with the catching up; the second and third are one-row decodes, the first of
     which is a warm-up (StepCosts): the other is timed, what a guess costs."""
@@ -249,6 +277,7 @@ def test_a_guesser_not_yet_timed_is_probed_with_three_guesses() -> None:
     assert lengths[-1] == UNTIMED_PROBE == 3 and set(lengths[:-1]) == {0}
 
 
+@pytest.mark.unit
 def test_recent_verifies_weigh_most() -> None:
     a = Acceptance()
     for _ in range(10):
@@ -307,6 +336,7 @@ class FakeDraft:
         del self.cells.setdefault(seq_id, [])[from_pos:]
 
 
+@pytest.mark.unit
 def test_the_draft_model_guesses_ahead_and_keeps_its_cells_in_step_with_the_slot() -> None:
     ctx = FakeDraft()
     drafter = ModelDrafter(ctx, n_seqs=2, p_min=0.5).for_slot(1)
@@ -319,6 +349,7 @@ def test_the_draft_model_guesses_ahead_and_keeps_its_cells_in_step_with_the_slot
     assert ctx.cells.get(0, []) == []  # the other slot's sequence is untouched
 
 
+@pytest.mark.unit
 def test_a_warmed_draft_takes_the_prompt_in_its_step_and_then_only_what_follows() -> None:
     ctx = FakeDraft()
     drafter = ModelDrafter(ctx, n_seqs=1, p_min=0.5).for_slot(0)
@@ -329,6 +360,7 @@ def test_a_warmed_draft_takes_the_prompt_in_its_step_and_then_only_what_follows(
     assert ctx.decodes == decodes + 2  # the next token, then the first guess: the prompt is not decoded again
 
 
+@pytest.mark.unit
 def test_the_draft_model_times_its_one_row_decodes_as_the_cost_of_a_guess() -> None:
     ticks = iter(range(1000))
     drafter = ModelDrafter(FakeDraft(), n_seqs=1, p_min=0.5, clock=lambda: float(next(ticks)))
@@ -342,6 +374,7 @@ def test_the_draft_model_times_its_one_row_decodes_as_the_cost_of_a_guess() -> N
     assert slot.guess_seconds == 1.0
 
 
+@pytest.mark.unit
 def test_an_unsure_draft_stops_guessing() -> None:
     class Unsure(FakeDraft):
         SURE = {3: 0.2}  # after 3 the draft is unsure
@@ -351,6 +384,7 @@ def test_an_unsure_draft_stops_guessing() -> None:
     assert ModelDrafter(Unsure(), n_seqs=1, p_min=0.1).for_slot(0).propose([1, 2], 3) == [3, 4, 1]
 
 
+@pytest.mark.unit
 def test_a_draft_model_that_fails_to_decode_offers_nothing_and_starts_over() -> None:
     class Failing(FakeDraft):
         def decode(self) -> int:
@@ -361,6 +395,7 @@ def test_a_draft_model_that_fails_to_decode_offers_nothing_and_starts_over() -> 
     assert ctx.cells.get(0, []) == []
 
 
+@pytest.mark.unit
 def test_a_draft_model_as_slow_as_the_model_stops_costing_after_its_first_timed_guess() -> None:
     """By a clock where a draft decode takes as long as a step of the model, guessing cannot pay even if
     every guess held: once a guess is timed, no more guesses, and the next request's prompt is not taken into
@@ -382,6 +417,7 @@ def test_a_draft_model_as_slow_as_the_model_stops_costing_after_its_first_timed_
     assert s.counters.spec_drafted == drafted and draft.decodes == decodes
 
 
+@pytest.mark.unit
 def test_draft_mode_needs_a_draft_model() -> None:
     with pytest.raises(ValueError, match="draft_model"):
         EngineConfig(spec_mode="draft")
@@ -392,8 +428,11 @@ def test_draft_mode_needs_a_draft_model() -> None:
     assert EngineConfig(spec_mode="ngram", draft_model="/models/small.gguf").draft is None
 
 
+@pytest.mark.engine
 def test_self_drafting_gives_the_same_greedy_text(pair: tuple[Engine, Engine]) -> None:
     """The embedded model as its own draft model: every guess it verifies is what it would have said."""
+    from serving.engine import Engine
+
     plain, _ = pair
     model = plain.config.model_path
     drafting = Engine(EngineConfig(n_parallel=2, n_ctx=2048, seed=3, spec_mode="draft", draft_model=model))
@@ -410,9 +449,12 @@ def test_self_drafting_gives_the_same_greedy_text(pair: tuple[Engine, Engine]) -
         drafting.close()
 
 
+@pytest.mark.engine
 def test_a_draft_cut_from_the_model_shares_its_vocabulary(tmp_path: Path) -> None:
     """scripts/make_draft_gguf.py: the first blocks of the embedded model, a draft llama.cpp loads and the
     engine accepts (same vocabulary), with the block count it was asked for."""
+    from serving.engine import Engine
+
     import importlib.util
     import sys
 
@@ -437,6 +479,7 @@ def test_a_draft_cut_from_the_model_shares_its_vocabulary(tmp_path: Path) -> Non
         engine.close()
 
 
+@pytest.mark.engine
 def test_speculation_counters_reach_the_metrics_as_deltas() -> None:
     """/metrics: the engine's totals become counters that grow by what was counted since the last snapshot
     (an engine restart starts its totals again), and the acceptance rate a gauge."""

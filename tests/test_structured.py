@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from serving.reasoning import ThinkSplitter, split_reasoning
-from serving.structured import GrammarError, json_schema_grammar, response_format_grammar, tool_call_grammar
 from serving.tools import CallMode, ToolCallStream, messages_for_plain_template, parse_tool_calls
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text,content,names", [
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "", ["get_weather"]),
     ('Let me check.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", '
@@ -30,6 +30,7 @@ def test_parse_tool_calls(text: str, content: str | None, names: list[str]) -> N
         assert isinstance(json.loads(call.arguments), dict) and call.id.startswith("call_")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("pieces", [
     ["Sure", ". ", "<tool", "_call>\n{\"name\": \"f\", ", "\"arguments\": {\"a\": 1}}\n</tool_call>"],
     ["Sure. <tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>"],
@@ -42,6 +43,7 @@ def test_tool_call_stream_releases_content_and_holds_the_call(pieces: list[str])
     assert "<" not in released
 
 
+@pytest.mark.unit
 def test_tool_call_stream_gives_back_text_that_was_no_call() -> None:
     stream = ToolCallStream()
     released = "".join(stream.feed(p)[0] for p in ["a <to", "ol party", " tonight"])
@@ -52,6 +54,7 @@ def test_tool_call_stream_gives_back_text_that_was_no_call() -> None:
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris", "days": [1, {"x": "}"}]}}\n</tool_call>'
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", list(CallMode))
 def test_a_call_streams_its_arguments_as_they_come(mode: CallMode) -> None:
     """Fed a token at a time, a call goes out as OpenAI streams one: its id and name first, then its
@@ -72,6 +75,7 @@ def test_a_call_streams_its_arguments_as_they_come(mode: CallMode) -> None:
     assert [(c.id, c.name, c.arguments) for c in stream.calls] == [(first.id, "get_weather", arguments)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cut", [len(CALL) + 5, len(CALL) + 40])
 def test_a_forced_answer_cut_by_the_token_limit_keeps_its_complete_calls(cut: int) -> None:
     """The reported bug: the same call again and again until max_tokens cuts the last. The complete calls
@@ -83,6 +87,7 @@ def test_a_forced_answer_cut_by_the_token_limit_keeps_its_complete_calls(cut: in
     assert json.loads(stream.calls[0].arguments)["city"] == 'Pa"ris'
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode,content", [(CallMode.forced, ""), (CallMode.auto, '<tool_call>\n{"name": "get_')])
 def test_a_call_cut_in_its_name_is_no_call(mode: CallMode, content: str) -> None:
     stream = ToolCallStream(mode)
@@ -90,6 +95,7 @@ def test_a_call_cut_in_its_name_is_no_call(mode: CallMode, content: str) -> None
     assert stream.feed(cut)[0] + stream.finish()[0] == content and stream.calls == []
 
 
+@pytest.mark.unit
 def test_plain_template_messages_carry_tools_calls_and_results() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     msgs = messages_for_plain_template([
@@ -103,6 +109,7 @@ def test_plain_template_messages_carry_tools_calls_and_results() -> None:
                                                                 "content": "<tool_response>\n42\n</tool_response>"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("pieces,inside", [
     (["<think>\nplan ", "the answer", "</think>\n\nThe answer."], False),
     (["<thi", "nk>plan the answer</th", "ink>", "\n", "The answer."], False),
@@ -116,12 +123,16 @@ def test_think_splitter(pieces: list[str], inside: bool) -> None:
     assert reasoning == "plan the answer" and content == "The answer."
 
 
+@pytest.mark.unit
 def test_text_without_think_is_all_content() -> None:
     assert split_reasoning("Hello <think> is just a word here") == ("", "Hello <think> is just a word here")
     assert split_reasoning("<think>unfinished") == ("unfinished", "")
 
 
+@pytest.mark.engine
 def test_grammars_compile_and_bad_schemas_say_why() -> None:
+    from serving.structured import GrammarError, json_schema_grammar, response_format_grammar, tool_call_grammar
+
     assert "root ::=" in json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
     assert response_format_grammar("text") is None
     assert "root" in response_format_grammar("json_object")
@@ -134,6 +145,7 @@ def test_grammars_compile_and_bad_schemas_say_why() -> None:
         response_format_grammar("yaml")
 
 
+@pytest.mark.engine
 def test_forced_call_schemas_get_length_bounds() -> None:
     from serving.structured import CALL_BOUNDS, bounded
 
@@ -145,6 +157,7 @@ def test_forced_call_schemas_get_length_bounds() -> None:
     assert "maxLength" not in schema["properties"]["a"]  # the caller's schema is left as it was
 
 
+@pytest.mark.engine  # serving.structured loads libllama (its schema converter)
 def test_bounds_keep_what_the_schema_says() -> None:
     """A default never makes a schema unsatisfiable (minLength over it), JSON values (enum, const) are not
     schemas, and a property may be named like a keyword."""
@@ -159,10 +172,11 @@ def test_bounds_keep_what_the_schema_says() -> None:
     assert props["mine"]["maxLength"] == 9
 
 
+@pytest.mark.engine
 def test_answer_schemas_are_bounded_too() -> None:
     """response_format json_schema (and llama-server's json_schema) get bounds where the schema sets none,
     so an answer closes on its own; a bound the client set is its own."""
-    from serving.structured import ANSWER_BOUNDS
+    from serving.structured import ANSWER_BOUNDS, json_schema_grammar, response_format_grammar
 
     assert json_schema_grammar({"type": "string"}) == json_schema_grammar({"type": "string",
                                                                              "maxLength": ANSWER_BOUNDS.string})
@@ -170,6 +184,7 @@ def test_answer_schemas_are_bounded_too() -> None:
     assert json_schema_grammar({"type": "string", "maxLength": 3}) != json_schema_grammar({"type": "string"})
 
 
+@pytest.mark.unit
 def test_chat_template_sees_tools_and_template_kwargs() -> None:
     from serving.chat_template import ChatTemplate
 

@@ -73,6 +73,7 @@ def tiny_models(msg: ModuleType, embedded: object, tmp_path_factory: pytest.Temp
     return written
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("qtype", ["q4_k", "q8_0", "q4_0", "q4_1", "f16"])
 def test_blocks_dequantise_to_small_finite_weights(msg: ModuleType, qtype: str) -> None:
     spec = msg.QTYPES[qtype]
@@ -86,12 +87,14 @@ def test_blocks_dequantise_to_small_finite_weights(msg: ModuleType, qtype: str) 
     assert abs(weights.mean()) < 0.02
 
 
+@pytest.mark.unit
 def test_q4_k_block_header(msg: ModuleType) -> None:
     block = msg.make_q4_k_blocks(1, np.random.default_rng(0))[0]
     d, dmin = block[:4].view("<f2").astype(np.float32)
     assert d == pytest.approx(0.002, rel=1e-3) and dmin == pytest.approx(0.015, rel=1e-3)
 
 
+@pytest.mark.unit
 def test_preset_sizes(msg: ModuleType) -> None:
     """The 27B-class preset must match the size measured on the GPU machine (15.32 GB)."""
     sizes = {}
@@ -110,12 +113,14 @@ def test_preset_sizes(msg: ModuleType) -> None:
     assert sizes["smollm2"][2] == sizes["smollm2"][1]  # tied: token_embd is read as the output matrix
 
 
+@pytest.mark.unit
 def test_q4_k_rejects_width_not_multiple_of_256(msg: ModuleType) -> None:
     shape = msg.shape_from_args(msg.build_parser().parse_args(["--preset", "smollm2", "--qtype", "q4_k", "--out", "x"]))
     with pytest.raises(ValueError, match="multiple"):
         msg.validate_shape(shape)
 
 
+@pytest.mark.unit
 def test_pad_vocab_rejects_smaller_vocab(msg: ModuleType) -> None:
     with pytest.raises(ValueError):
         msg.pad_vocab([b"a", b"b"], [1, 1], 1)
@@ -125,6 +130,7 @@ def _reader_value(reader: object, key: str) -> object:
     return reader.fields[key].contents()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("key", ["q8_0", "q4_k"])
 def test_reader_metadata_and_shapes(msg: ModuleType, embedded: object, tiny_models: dict, key: str) -> None:
     model = tiny_models[key]
@@ -168,6 +174,7 @@ def test_reader_metadata_and_shapes(msg: ModuleType, embedded: object, tiny_mode
     assert model.path.stat().st_size == model.summary.file_bytes
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("key", ["q8_0", "q4_k"])
 def test_llama_cpp_loads_and_evaluates(embedded: object, tiny_models: dict, key: str) -> None:
     """llama.cpp must accept the file through our engine (the one loading path): load, tokenise with the copied
@@ -194,6 +201,7 @@ def test_llama_cpp_loads_and_evaluates(embedded: object, tiny_models: dict, key:
         engine.close()
 
 
+@pytest.mark.engine
 def test_a_draft_model_must_share_the_vocabulary_and_its_wrong_guesses_change_nothing(tiny_models: dict) -> None:
     """spec_mode draft with tiny random-weight draft models: one with a padded vocabulary is refused with the
     reason; one with the embedded vocabulary guesses (p_min 0: always) and is nearly always wrong, and the

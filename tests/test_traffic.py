@@ -28,6 +28,7 @@ def shape(arrival: float, prompt: int = 10, output: int = 5, **kw: Any) -> Reque
 
 
 # -- the record ----------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_the_record_is_bounded_and_its_totals_count_everything() -> None:
     record = TrafficRecord(limit=100)
     for i in range(10_000):
@@ -41,6 +42,7 @@ def test_the_record_is_bounded_and_its_totals_count_everything() -> None:
     assert summary.arrival_rate_per_s == pytest.approx(1.0)
 
 
+@pytest.mark.unit
 def test_histogram_buckets_are_prometheus_le_buckets() -> None:
     record = TrafficRecord()
     for prompt, cached in ((1, 0), (2, 1), (3, 3), (100_001, 0)):
@@ -52,6 +54,7 @@ def test_histogram_buckets_are_prometheus_le_buckets() -> None:
     assert fractions[0.0] == 2 and fractions[0.5] == 1 and fractions[1.0] == 1
 
 
+@pytest.mark.unit
 def test_since_hands_out_each_shape_once_and_all_of_a_new_record() -> None:
     record = TrafficRecord(limit=10)
     for i in range(3):
@@ -68,6 +71,7 @@ def test_since_hands_out_each_shape_once_and_all_of_a_new_record() -> None:
     assert [s.arrival for s in fresh.since(seen)[0]] == [5.0]
 
 
+@pytest.mark.unit
 def test_a_request_with_n_choices_is_one_shape_complete_when_its_last_choice_ends() -> None:
     params = SamplingParams(max_tokens=9, temperature=0.8)
     progress = ShapeInProgress.start(12, params, 3, TrafficTag(streamed=True), arrival=100.0)
@@ -83,11 +87,13 @@ def test_a_request_with_n_choices_is_one_shape_complete_when_its_last_choice_end
     (SamplingParams(temperature=0.7), RequestKind.sampled),
     (SamplingParams(temperature=0.0, grammar='root ::= "a"'), RequestKind.constrained),
 ])
+@pytest.mark.unit
 def test_request_kind(params: SamplingParams, kind: RequestKind) -> None:
     assert RequestKind.of(params) == kind
 
 
 # -- merging replicas ----------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_two_replicas_summaries_merge() -> None:
     a, b = TrafficRecord(limit=50, clock=lambda: 10.0), TrafficRecord(limit=40, clock=lambda: 5.0)
     for i in range(60):
@@ -110,18 +116,21 @@ def test_two_replicas_summaries_merge() -> None:
     assert sb.merged(sa).recent == merged.recent
 
 
+@pytest.mark.unit
 def test_histograms_with_other_edges_do_not_merge() -> None:
     with pytest.raises(ValueError, match="bucket edges"):
         Histogram.empty((1, 2)).merged(Histogram.empty((1, 3)))
 
 
 # -- no text -------------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_a_shape_has_no_field_that_could_hold_text() -> None:
     allowed = {"float", "int", "int | None", "bool", "RequestKind", "FinishReason"}
     assert {f.name: f.type for f in fields(RequestShape) if f.type not in allowed} == {}
     assert set(shape(0.0).as_dict()) == {f.name for f in fields(RequestShape)}  # JSON shows every field
 
 
+@pytest.mark.engine
 def test_the_engine_records_a_client_request_without_its_text_and_not_untagged_work(engine: Any) -> None:
     from tests.helpers import collect
 
@@ -143,6 +152,7 @@ def test_the_engine_records_a_client_request_without_its_text_and_not_untagged_w
         assert ", ".join(map(str, generated[0].tokens)) not in kept
 
 
+@pytest.mark.unit
 def test_the_traffic_module_imports_neither_libllama_nor_ray() -> None:
     code = ("import sys, serving.traffic; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "{'ray', 'llama_cpp', 'serving.llama'} or m == 'serving.llama'))")
@@ -166,6 +176,7 @@ class FakePeers:
         return SimpleNamespace(results_async=results_async)
 
 
+@pytest.mark.engine
 def test_gather_merges_every_answer_and_counts_the_missing() -> None:
     from serving.app import gather_traffic
 
@@ -194,6 +205,7 @@ def _histogram_count(metrics: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+@pytest.mark.serve
 def test_traffic_over_http_counts_the_completions_with_their_token_numbers(serve_url: str) -> None:
     before = _traffic(serve_url)
     metrics_before = httpx.get(f"{serve_url}/metrics", timeout=30).text
@@ -233,6 +245,7 @@ def test_traffic_over_http_counts_the_completions_with_their_token_numbers(serve
     assert re.search(r'^llm_request_params_n_bucket\{le="2\.0"[^}]*\} \S+$', metrics, re.M)
 
 
+@pytest.mark.serve
 def test_traffic_refuses_bad_input_with_openai_error_json(serve_url: str) -> None:
     resp = httpx.get(f"{serve_url}/traffic", params={"recent": "-1"}, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "recent", resp.text

@@ -12,6 +12,8 @@ from serving.api import APIError
 from serving.config import EngineConfig
 from serving.trials import TrialHost
 
+pytestmark = pytest.mark.unit
+
 SERVING = EngineConfig(n_parallel=4, n_ctx=4096)
 TRIAL = EngineConfig(n_parallel=2, n_ctx=1024)
 

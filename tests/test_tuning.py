@@ -13,7 +13,6 @@ import httpx
 import pytest
 import yaml
 
-from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
 from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, embedded_model_path, load_engine_config
 from tuning.memory import GiB, ModelShape, kv_cache_bytes, parse_bytes, predict
 from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
@@ -29,6 +28,7 @@ FAST = ["--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "1024", "--
 
 @pytest.fixture(scope="module")
 def shape() -> ModelShape:
+    """The embedded model's shape from its GGUF header: seconds to read, so the tests using it are in lane engine."""
     return ModelShape.from_gguf(embedded_model_path())
 
 
@@ -50,6 +50,7 @@ def load_trials(tmp_path: Path) -> list:
 
 
 # -- the CLI end to end -----------------------------------------------------------------------------
+@pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_search_runs_end_to_end_and_writes_a_loadable_config(ray_session: None, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture) -> None:
@@ -84,6 +85,7 @@ def test_search_runs_end_to_end_and_writes_a_loadable_config(ray_session: None, 
                tuned.model_dump(exclude={"seed"}) for p in winner_params)
 
 
+@pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_tight_budget_rejects_big_contexts_without_loading(ray_session: None, tmp_path: Path,
                                                            shape: ModelShape) -> None:
@@ -123,6 +125,7 @@ def test_tight_budget_rejects_big_contexts_without_loading(ray_session: None, tm
 
 
 # -- bad input: exit code 2, a message, no traceback, no hang -----------------------------------------
+@pytest.mark.engine
 @pytest.mark.timeout(120)
 def test_unknown_flag_value_is_an_argparse_error(capsys: pytest.CaptureFixture) -> None:
     from tuning.search import main
@@ -133,6 +136,7 @@ def test_unknown_flag_value_is_an_argparse_error(capsys: pytest.CaptureFixture) 
     assert "invalid choice: 'fastest'" in capsys.readouterr().err
 
 
+@pytest.mark.serve
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("extra,message", [
     (["--vram-budget", "1MiB"], "impossible space"),
@@ -157,6 +161,7 @@ def test_bad_input_returns_2_with_a_clear_message(ray_session: None, tmp_path: P
 
 
 # -- write-back --------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_write_config_is_atomic_and_reads_back_equal(tmp_path: Path) -> None:
     from tuning.writeback import write_config
 
@@ -172,6 +177,7 @@ def test_write_config_is_atomic_and_reads_back_equal(tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["tuned.yaml"]  # no temp file left behind
 
 
+@pytest.mark.unit
 def test_write_config_failure_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
@@ -195,6 +201,7 @@ def _slots(serve_url: str) -> dict:
     return httpx.get(f"{serve_url}/slots", timeout=30).json()
 
 
+@pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_live_apply_switches_the_running_app_without_failing_a_request(serve_url: str) -> None:
     from tuning.writeback import apply_to_serve
@@ -262,6 +269,7 @@ def test_live_apply_switches_the_running_app_without_failing_a_request(serve_url
         assert EngineConfig(**back["config"]) == original and len(back["slots"]) == original.n_parallel
 
 
+@pytest.mark.serve
 def test_live_apply_to_a_missing_app_only_reports(ray_session: None) -> None:
     from tuning.writeback import apply_to_serve
 
@@ -290,6 +298,7 @@ ROWS = [
 ]
 
 
+@pytest.mark.unit
 def test_pareto_front_excludes_dominated_and_infeasible_rows() -> None:
     front = pareto_front(ROWS)
     assert [r.number for r in front] == [0, 1, 2]  # sorted by single stream, best first
@@ -298,6 +307,7 @@ def test_pareto_front_excludes_dominated_and_infeasible_rows() -> None:
     assert {r.number for r in pareto_front([row(0, 5.0, 5.0), row(1, 5.0, 5.0)])} == {0, 1}
 
 
+@pytest.mark.unit
 def test_pick_by_preference() -> None:
     assert pick(ROWS, "balanced").number == 1
     assert pick(ROWS, "single").number == 0
@@ -310,6 +320,7 @@ def test_pick_by_preference() -> None:
     assert pick([row(0, 100.0, 10.0), row(1, 95.0, 500.0)], "balanced").number == 1
 
 
+@pytest.mark.unit
 def test_an_answered_proposal_is_not_a_second_point_of_the_front() -> None:
     answered = trial_row(6, {"n_parallel": 1}, {"single_tok_s": 96.0, "aggregate_tok_s": 180.0, "feasible": True,
                                                "answered_from": 1}, False)
@@ -325,6 +336,7 @@ def capacity_row(n: int, slots: int, curve: list[tuple[int, float, float]], capa
                                         for s, a, w in curve]}, False)
 
 
+@pytest.mark.unit
 def test_the_capacity_section_draws_the_best_curve_per_slot_count(tmp_path: Path) -> None:
     rows = [capacity_row(0, 2, [(1, 100.0, 100.0), (2, 170.0, 85.0)], 170.0),
             capacity_row(1, 2, [(1, 90.0, 90.0), (2, 150.0, 75.0)], 150.0),
@@ -339,6 +351,7 @@ def test_the_capacity_section_draws_the_best_curve_per_slot_count(tmp_path: Path
     assert "## Capacity" not in markdown(rows, rows[2], "balanced", {}, "pareto.png")
 
 
+@pytest.mark.engine
 def test_confirmation_candidates_are_distinct_configs_and_the_baseline() -> None:
     from tuning.search import confirmation_candidates
 
@@ -364,6 +377,7 @@ def draw(**fixed: object) -> dict:
     return suggest(optuna.trial.FixedTrial(values), space, space.contexts(1024), None)
 
 
+@pytest.mark.unit
 def test_quantised_v_cache_forces_flash_attention_on() -> None:
     assert draw(type_v="q8_0", flash_attn="off")["flash_attn"] == "on"
     assert draw(type_v="q4_0")["flash_attn"] == "on"
@@ -372,6 +386,7 @@ def test_quantised_v_cache_forces_flash_attention_on() -> None:
     assert config.flash_attn == FlashAttn.on and config.type_v == CacheType.q8_0
 
 
+@pytest.mark.unit
 def test_n_ubatch_is_clamped_to_n_batch_and_context_is_per_slot() -> None:
     params = draw(n_batch=256, n_ubatch=2048, n_parallel=4, ctx_per_slot=2048)
     config = to_engine_config(params, EngineConfig(n_threads=3))
@@ -379,6 +394,7 @@ def test_n_ubatch_is_clamped_to_n_batch_and_context_is_per_slot() -> None:
     assert config.n_ctx == 8192 and config.n_ctx_per_slot == 2048 and config.n_threads == 3
 
 
+@pytest.mark.unit
 def test_contexts_below_the_minimum_are_dropped() -> None:
     space = SearchSpace(ctx_per_slot=[512, 1024, 4096, 2048])
     assert space.contexts(1024) == [1024, 2048, 4096]
@@ -390,6 +406,7 @@ def test_contexts_below_the_minimum_are_dropped() -> None:
     assert SearchSpace(flash_attn=[True, False]).flash_attn == [FlashAttn.on, FlashAttn.off]  # YAML on/off
 
 
+@pytest.mark.unit
 def test_shipped_search_space_parses() -> None:
     space = SearchSpace.from_yaml(None)
     assert space.n_parallel and space.contexts(1024)
@@ -407,6 +424,7 @@ def _header(path: Path) -> dict:
             "head_dim": get("embedding_length") // get("attention.head_count"), "tensors": tensors}
 
 
+@pytest.mark.engine
 def test_kv_cache_is_exact_arithmetic(shape: ModelShape) -> None:
     h = _header(embedded_model_path())
     per_elem_cells = 2 * h["layers"] * h["kv_heads"] * h["head_dim"]  # K and V, every layer
@@ -423,6 +441,7 @@ def test_kv_cache_is_exact_arithmetic(shape: ModelShape) -> None:
     assert shape.kv_bytes_per_token_f16 == per_elem_cells * 2
 
 
+@pytest.mark.engine
 def test_tied_output_layer_is_counted(shape: ModelShape) -> None:
     """SmolLM2 has no output.weight: its output layer is token_embd, read in full for every token and
     (with all layers offloaded) held on the GPU as well."""
@@ -443,6 +462,7 @@ def test_tied_output_layer_is_counted(shape: ModelShape) -> None:
     assert half.weights == pytest.approx(shape.weight_bytes / 2, rel=0.01)
 
 
+@pytest.mark.engine
 def test_compute_term_grows_without_flash_attention(shape: ModelShape) -> None:
     on = predict(shape, EngineConfig(n_parallel=1, n_ctx=8192, flash_attn="on"), on_gpu=False)
     off = predict(shape, EngineConfig(n_parallel=1, n_ctx=8192, flash_attn="off"), on_gpu=False)
@@ -450,6 +470,7 @@ def test_compute_term_grows_without_flash_attention(shape: ModelShape) -> None:
     assert predict(shape, EngineConfig(n_parallel=1, n_ctx=1024), on_gpu=True).overhead > on.overhead
 
 
+@pytest.mark.unit
 def test_parse_bytes() -> None:
     assert parse_bytes("32GiB") == 32 * GiB
     assert parse_bytes("16 GB") == 16 * 10**9
@@ -461,6 +482,7 @@ def test_parse_bytes() -> None:
             parse_bytes(bad)
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(120)
 def test_measured_engine_memory_is_near_the_prediction(shape: ModelShape) -> None:
     from serving.engine import Engine
@@ -487,6 +509,7 @@ def test_measured_engine_memory_is_near_the_prediction(shape: ModelShape) -> Non
     assert 0.3 < ratio < 2.0
 
 
+@pytest.mark.engine
 def test_a_config_already_measured_is_answered_without_measuring_again() -> None:
     """Two parameter sets that make the same engine (n_ubatch above n_batch is clamped) cost one measurement."""
     from tuning.memory import ModelShape
@@ -517,6 +540,7 @@ def test_a_config_already_measured_is_answered_without_measuring_again() -> None
     assert all(r["single_tok_s"] == 10.0 for r in results)
 
 
+@pytest.mark.engine
 def test_a_proposal_the_study_already_measured_is_answered_from_it_not_run() -> None:
     """n_ubatch 512 with n_batch 256 is the engine of n_ubatch 256: once one is measured, the sampler's
     proposal of the other is told the measured values at once and Tune gets a config not measured yet."""
@@ -551,6 +575,7 @@ def test_a_proposal_the_study_already_measured_is_answered_from_it_not_run() -> 
         assert t.values == twin.values and t.state.name == "COMPLETE"
 
 
+@pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_offline_confirmation_measures_on_an_engine_of_its_own(ray_session: None) -> None:
     from tuning.objective import Workload
@@ -564,6 +589,7 @@ def test_offline_confirmation_measures_on_an_engine_of_its_own(ray_session: None
     assert all(s.single > 0 and s.second > 0 for s in speeds)
 
 
+@pytest.mark.unit
 def test_speculation_is_searched_only_when_the_space_lists_it(tmp_path: Path) -> None:
     import optuna
 
@@ -583,6 +609,7 @@ def test_speculation_is_searched_only_when_the_space_lists_it(tmp_path: Path) ->
     assert to_engine_config(on[0], EngineConfig()).spec_draft_max == 8
 
 
+@pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_capacity_and_the_copy_set_are_measured_per_trial(ray_session: None, tmp_path: Path) -> None:
     from tuning.search import main
@@ -603,6 +630,7 @@ def test_capacity_and_the_copy_set_are_measured_per_trial(ray_session: None, tmp
     assert "copy-set single tok/s" in report
 
 
+@pytest.mark.engine
 def test_capacity_objective_needs_its_floor(capsys: pytest.CaptureFixture) -> None:
     from tuning.search import main
 
@@ -611,6 +639,7 @@ def test_capacity_objective_needs_its_floor(capsys: pytest.CaptureFixture) -> No
     assert exit_.value.code == 2 and "--min-stream-tok-s" in capsys.readouterr().err
 
 
+@pytest.mark.engine
 def test_a_draft_model_counts_in_the_memory_prediction(shape: ModelShape) -> None:
     from serving.config import embedded_model_path
 

@@ -4,12 +4,18 @@ a real measurement on the embedded model."""
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
+
+import pytest
 
 from measure.targets import EngineTarget
 from measure.workload import Capacity, CapacityPoint, PromptSet, Runner, Workload, capacity_levels
-from serving.engine import Engine
+
+if TYPE_CHECKING:
+    from serving.engine import Engine
 
 
+@pytest.mark.unit
 def test_the_curve_runs_at_powers_of_two_and_the_slot_count() -> None:
     assert capacity_levels(1) == [1]
     assert capacity_levels(4) == [1, 2, 4]
@@ -17,6 +23,7 @@ def test_the_curve_runs_at_powers_of_two_and_the_slot_count() -> None:
     assert capacity_levels(16) == [1, 2, 4, 8, 16]
 
 
+@pytest.mark.unit
 def test_capacity_is_the_best_aggregate_whose_slowest_stream_keeps_the_floor() -> None:
     curve = [CapacityPoint(1, 60.0, 60.0), CapacityPoint(2, 100.0, 48.0), CapacityPoint(4, 150.0, 35.0),
              CapacityPoint(8, 200.0, 22.0)]
@@ -26,6 +33,7 @@ def test_capacity_is_the_best_aggregate_whose_slowest_stream_keeps_the_floor() -
     assert none.tok_s == 0.0 and none.streams == 0 and len(none.curve) == 4
 
 
+@pytest.mark.engine
 def test_capacity_measured_on_the_engine(engine: Engine) -> None:
     runner, target = Runner(Workload(gen_tokens=8, repeats=1)), EngineTarget(engine)
     low = asyncio.run(runner.capacity(target, engine.config.n_parallel, floor_tok_s=0.1))
@@ -35,6 +43,7 @@ def test_capacity_measured_on_the_engine(engine: Engine) -> None:
     assert asyncio.run(runner.capacity(target, 2, floor_tok_s=1e9)).tok_s == 0.0
 
 
+@pytest.mark.engine
 def test_levels_on_the_engine_warm_up_interleave_and_keep_every_round(engine: Engine) -> None:
     """Two targets on one engine: every level measured `repeats` times per target after a warm-up, the
     prompts fresh (no prefix cache hit), the figures whole."""
@@ -56,12 +65,14 @@ def test_levels_on_the_engine_warm_up_interleave_and_keep_every_round(engine: En
     assert engine.stats()["counters"]["prompt_tokens_cached"] < engine.stats()["counters"]["prompt_tokens"] / 2
 
 
+@pytest.mark.engine
 def test_the_copy_set_runs_as_chat_and_stops_at_eos(engine: Engine) -> None:
     speed = asyncio.run(Runner(Workload(gen_tokens=24, levels=(1,), repeats=1, prompt_set=PromptSet.copy))
                         .speed(EngineTarget(engine)))
     assert speed.single_tok_s > 0 and speed.aggregate_tok_s > 0 and speed.ttft_ms > 0
 
 
+@pytest.mark.unit
 def test_provenance_takes_the_commit_it_is_told(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """On the GPU machine the tree's .git may be an older copy: LLAMA_SERVE_TUNE_COMMIT says what ran."""
     from measure.provenance import COMMIT_ENV, commit, provenance
