@@ -126,8 +126,21 @@ def test_the_confirmation_round_measures_on_the_replica(serve_url: str, restored
     assert client.failures == [] and _slots(serve_url)["weight_loads"] == loads
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# `python -m tuning.search` whose own interpreter gives SIGINT its default action, whatever this process passes
+# on (a shell's background job passes SIGINT ignored, and the study then ran to its end). Not a preexec_fn: with
+# one, Popen fork()s a copy of this process (a Ray driver: Ray's failure-signal handler and its SIGTERM handler
+# are live in it) and runs Python in it until exec; a SIGTERM landing there made Ray's handler arm its 3 s abort
+# alarm, which outlives exec, and the tuner died of SIGALRM before its first trial. Without one, Popen vforks,
+# and the child runs no handler of ours: all blocked, then reset to the default, until exec.
+TUNER = [sys.executable, "-c", "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+         "runpy.run_module('tuning.search', run_name='__main__', alter_sys=True)"]
+
+
+def _ended(proc: subprocess.Popen[str]) -> str:
+    """How a child that should still run ended: its exit status and the end of its output."""
+    if proc.poll() is None:
+        return "still running"
+    return f"exit status {proc.returncode}\n{(proc.communicate()[0] or '')[-3000:]}"
 
 
 @pytest.mark.timeout(600)
@@ -136,14 +149,15 @@ def test_ctrl_c_mid_study_restores_the_config_the_replica_served(serve_url: str,
     import ray
 
     address = ray.get_runtime_context().gcs_address
-    tuner = subprocess.Popen([sys.executable, "-m", "tuning.search", *_args(tmp_path, "interrupted", 20, "--in-place"),
-                              "--ray-address", address], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                             preexec_fn=_default_sigint)  # a shell's background job would pass SIGINT ignored
+    tuner = subprocess.Popen([*TUNER, *_args(tmp_path, "interrupted", 20, "--in-place"), "--ray-address", address],
+                             cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 240
         while not (_slots(serve_url)["tuning"] or {}).get("in_trial"):
-            assert tuner.poll() is None and time.monotonic() < deadline, "no trial started on the replica"
+            assert tuner.poll() is None and time.monotonic() < deadline, \
+                f"no trial started on the replica; the tuner: {_ended(tuner)}"
             time.sleep(0.2)
         tuner.send_signal(signal.SIGINT)
         output, _ = tuner.communicate(timeout=240)
