@@ -75,7 +75,7 @@ def start_ray(opts: SearchOptions, session: Session) -> tuple[int, int]:
         if opts.ray_address is None and opts.where is not Where.offline:
             _join_serving_cluster(opts.serve_address)
         if not ray.is_initialized():
-            if opts.where is Where.in_place:
+            if opts.where is Where.in_place and opts.ray_address is None:
                 raise UserError(f"--in-place: no running Ray cluster at {opts.serve_address!r}; start the app first "
                                 "(serve run serving.app:main)")
             with _quiet_ray_logs():
