@@ -393,7 +393,7 @@ def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_pat
         gate.touch()
     assert [r.status_code for r in responses] == [200] * 6
     assert all(assert_generated(r.json()) for r in responses)
-    busy = trial.result(timeout_s=120)["replica"]
+    busy = trial.result(timeout_s=120).measured["replica"]
     after = wait_for_replicas(two, 60)  # the router prefers the replica it last saw idle: ask until both answer
     finished = {k: after[k]["counters"]["requests_finished"] - before[k]["counters"]["requests_finished"]
                 for k in before}
