@@ -514,6 +514,7 @@ def test_a_config_already_measured_is_answered_without_measuring_again() -> None
     """Two parameter sets that make the same engine (n_ubatch above n_batch is clamped) cost one measurement."""
     from tuning.memory import ModelShape
     from tuning.objective import Workload
+    from tuning.results import Measurement, MeasuredRun
     from tuning.trial import EngineTrial, TrialSettings
 
     base = EngineConfig()
@@ -524,9 +525,11 @@ def test_a_config_already_measured_is_answered_without_measuring_again() -> None
     trial.actor, trial.measured = "test", {}
     calls: list[EngineConfig] = []
 
-    def fake_measure(config: EngineConfig) -> dict:
+    def fake_measure(config: EngineConfig) -> MeasuredRun:
         calls.append(config)
-        return {"single_tok_s": 10.0, "aggregate_tok_s": 20.0, "mem_measured": 1, "nll_delta": 0.0}
+        return MeasuredRun(measurement=Measurement(
+            single_tok_s=10.0, aggregate_tok_s=20.0, ttft_ms=1.0, prefill_tok_s=1.0, nll=2.0, nll_baseline=2.0,
+            mem_measured=1, weight_loads=1, weight_load_s=0.1))
 
     trial._measure = fake_measure  # type: ignore[method-assign]
     params = {"n_parallel": 2, "n_batch": 256, "ctx_per_slot": 1024, "type_k": "f16", "type_v": "f16",
@@ -557,7 +560,7 @@ def test_a_proposal_the_study_already_measured_is_answered_from_it_not_run() -> 
     searcher = RecordingOptunaSearch(
         space=SpaceFunction(space, [1024], None), metric=["single_tok_s", "aggregate_tok_s"], mode=["max", "max"],
         sampler=optuna.samplers.RandomSampler(seed=3), study_name="dedup", storage=optuna.storages.InMemoryStorage(),
-        recorded=("single_tok_s", "aggregate_tok_s"), first_is_baseline=False, canonical=canonical)
+        first_is_baseline=False, canonical=canonical)
     ran = []
     for i in range(3):
         params = searcher.suggest(f"t{i}")
