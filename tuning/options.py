@@ -163,7 +163,8 @@ def _parser() -> argparse.ArgumentParser:
 
     keep = p.add_argument_group("where the study and the pick go")
     keep.add_argument("--storage", help="Optuna storage URL (default: sqlite:///RESULTS_DIR/optuna.db)")
-    keep.add_argument("--study-name", help="default: <model>-<device>-<budget>; an existing study is resumed")
+    keep.add_argument("--study-name", help="default: <model>-<device>-<budget>, with -inplace in place; an existing "
+                                          "study is resumed")
     keep.add_argument("--results-dir", type=Path, default=d.results_dir, help="reports, plots and the study")
     keep.add_argument("--out", type=Path, default=d.out, help="the pick's engine config (YAML)")
     keep.add_argument("--no-apply", dest="apply", action="store_false",

@@ -492,7 +492,9 @@ def run(opts: SearchOptions, session: Session) -> int:
     budget = budget_bytes(opts, on_gpu)
     check_possible(shape, base, space, contexts[0], budget, on_gpu)
     n_layers = layer_search(shape, base, budget, on_gpu, space, contexts[0])
-    study_name = opts.study_name or f"{base.model_path.stem}-{'gpu' if on_gpu else 'cpu'}-{budget // 2**20}MiB"
+    # in place measures other conditions (live replicas, the whole device's memory): a study of its own
+    where = "-inplace" if app is not None else ""
+    study_name = opts.study_name or f"{base.model_path.stem}-{'gpu' if on_gpu else 'cpu'}-{budget // 2**20}MiB{where}"
     storage = open_storage(opts)
     baseline = article_point(base, space, contexts) if not _study_has_trials(storage, study_name) else None
 
