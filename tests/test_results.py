@@ -1,0 +1,63 @@
+"""A trial's record (tuning/results.py) through what carries it: Ray Tune's result dict and Optuna's storage."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tuning.results import CurvePoint, Measurement, MeasuredRun, Objective, TrialResult
+
+pytestmark = pytest.mark.unit
+
+MEASURED = Measurement(single_tok_s=101.5, aggregate_tok_s=236.0, ttft_ms=36.0, prefill_tok_s=2900.0, nll=2.31,
+                       nll_baseline=2.30, mem_measured=18 * 2**30, weight_loads=1, weight_load_s=9.5,
+                       capacity_tok_s=299.6, capacity_streams=8,
+                       capacity_curve=(CurvePoint(streams=1, aggregate_tok_s=101.5, slowest_tok_s=104.0),
+                                       CurvePoint(streams=8, aggregate_tok_s=299.6, slowest_tok_s=38.1)),
+                       sm_clock_mhz=1980.0, throttle_reasons="", throttled=False)
+
+
+def _trial() -> TrialResult:
+    proposed = TrialResult(params={"n_parallel": 8, "n_batch": 1024, "type_k": "f16"}, n_ctx=65536,
+                           mem_predicted=19 * 2**30, mem_budget=32 * 2**30, actor="host:1", capacity_tok_s=0.0)
+    run = MeasuredRun(measurement=MEASURED, setup_s=0.03, held_s=7.5)
+    return proposed.measured(run).constrained(32 * 2**30, 0.05)
+
+
+def test_a_trial_result_round_trips_through_optunas_storage(tmp_path: Path) -> None:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    result = replace(_trial(), is_baseline=True)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=storage, directions=["maximize", "maximize"])
+    trial = study.ask()
+    for key, value in result.to_attrs().items():
+        trial.set_user_attr(key, value)
+    study.tell(trial, [result.single_tok_s, result.second(Objective.capacity)])
+
+    back = TrialResult.from_attrs(optuna.load_study(study_name="s", storage=storage).trials[0].user_attrs)
+    assert back == result
+    assert back.capacity_curve is not None and back.capacity_curve[1].slowest_tok_s == 38.1
+    assert back.nll_delta == pytest.approx(0.01) and back.feasible and back.held_s == 7.5
+
+
+def test_tunes_dict_carries_the_record_and_drops_its_own_bookkeeping() -> None:
+    result = _trial()
+    sent = {**result.to_attrs(), "done": True, "time_this_iter_s": 3.2, "trial_id": "abc"}
+    assert TrialResult.from_tune(sent) == result
+
+
+def test_a_trial_that_measured_nothing_is_infeasible_by_far() -> None:
+    rejected = replace(TrialResult(params={}, n_ctx=4096, mem_predicted=40 * 2**30, mem_budget=32 * 2**30),
+                       rejected="predicted memory over budget").constrained(32 * 2**30, 0.05)
+    assert not rejected.feasible and rejected.constraint_mem >= 1e17 and rejected.constraint_quality >= 1e8
+    assert "mem_measured" not in rejected.to_attrs(), "nothing measured: no figure recorded"
+
+
+def test_attributes_of_another_version_are_kept_as_read() -> None:
+    attrs = {**_trial().to_attrs(), "time_total_s": 12.0}
+    back = TrialResult.from_attrs(attrs)
+    assert back.extra == {"time_total_s": 12.0} and back.to_attrs() == attrs
