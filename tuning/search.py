@@ -29,7 +29,8 @@ from measure.workload import Workload  # noqa: E402
 from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, load_engine_config  # noqa: E402
 from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
 from tuning.options import REPO_ROOT, DeviceChoice, Sampler, SearchOptions, Where, parse_options  # noqa: E402
-from tuning.report import Objective  # noqa: E402
+from tuning.confirm import Candidate, Verdict  # noqa: E402
+from tuning.report import Objective, TrialRow  # noqa: E402
 from tuning.space import SearchSpace, SpaceFunction, to_engine_config  # noqa: E402
 
 if TYPE_CHECKING:
@@ -341,7 +342,7 @@ def finish(*, opts: SearchOptions, session: Session, storage: Any, study_name: s
     return 0
 
 
-def pick_summary(study_name: str, winner: Any, rows: list[Any], confirmed: Confirmation | None,
+def pick_summary(study_name: str, winner: TrialRow, rows: list[TrialRow], confirmed: Confirmation | None,
                  opts: SearchOptions) -> str:
     """The one sentence on the pick that the pick line, tuned.yaml's header and the report all carry: the
     confirmation round's medians and paired ratios when it ran, else the search's single measurement."""
@@ -357,7 +358,8 @@ def pick_summary(study_name: str, winner: Any, rows: list[Any], confirmed: Confi
             f"{second:.1f} {opts.objective.label}; {outcome}")
 
 
-def confirmation_candidates(rows: list[Any], winner: Any, base: EngineConfig, top: int, prefer: str) -> list[Any]:
+def confirmation_candidates(rows: list[TrialRow], winner: TrialRow, base: EngineConfig, top: int,
+                            prefer: str) -> list[TrialRow]:
     """The pick and the next best of the Pareto front, `top` distinct engine configs in all (a re-run study
     can hold one config twice), then the article baseline when it ran and is not among them."""
     from tuning import report
@@ -365,7 +367,7 @@ def confirmation_candidates(rows: list[Any], winner: Any, base: EngineConfig, to
     ranked = sorted(report.pareto_front(rows), key=lambda r: (r.second, r.single), reverse=True)
     if prefer == "single":
         ranked.sort(key=lambda r: (r.single, r.second), reverse=True)
-    chosen: list[Any] = []
+    chosen: list[TrialRow] = []
     for row in [winner, *ranked]:
         if len(chosen) < top and all(to_engine_config(row.params, base) != to_engine_config(c.params, base)
                                      for c in chosen):
@@ -381,9 +383,9 @@ def confirmation_candidates(rows: list[Any], winner: Any, base: EngineConfig, to
 class Confirmation:
     """The confirmation round's outcome: the pick's study row, its confirmed figures, and the report section."""
 
-    row: Any  # tuning.report.TrialRow
-    verdict: Any  # tuning.confirm.Verdict
-    reference: Any  # tuning.confirm.Candidate: what the ratios are paired against
+    row: TrialRow
+    verdict: Verdict
+    reference: Candidate  # what the ratios are paired against
     rounds: int
     section: str
 
@@ -405,7 +407,7 @@ class Confirmation:
                 f"confirmation rounds{noise}")
 
 
-def confirm_pick(opts: SearchOptions, rows: list[Any], winner: Any, base: EngineConfig, settings: Any,
+def confirm_pick(opts: SearchOptions, rows: list[TrialRow], winner: TrialRow, base: EngineConfig, settings: Any,
                  study_name: str, app: ServingApp | None) -> Confirmation | None:
     """The search's best few and the baseline measured again, interleaved (tuning/confirm.py): the pick on
     paired ratios. None when there is nothing to compare the pick with."""
