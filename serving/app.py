@@ -244,6 +244,7 @@ class LlamaServer(OpenAIRoutes):
 
     async def _apply(self, config: EngineConfig) -> None:
         """Switch the engine to `config`: drain, rebuild the context (weights kept if the model is the same)."""
+        self._trials.abandon()  # a trial still measuring gives the engine back (the lock) within a round
         async with self._lock:
             await asyncio.to_thread(self._loaded.wait)
             if self._engine is None:  # the first load failed: try again with the new config

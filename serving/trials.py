@@ -21,19 +21,56 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from serving.api import APIError
 from serving.config import EngineConfig
 
 if TYPE_CHECKING:  # only annotations here: importing this module loads no libllama (its tests use a fake engine)
     from serving.engine import Engine
+    from serving.request import RequestHandle, SamplingParams
 
 log = logging.getLogger("serving")
 
 IDLE_POLL_S = 0.05
 DRAIN_TIMEOUT_S = 600.0  # admitted requests get this long to finish before a trial gives up its turn
 Measure = Callable[["Engine"], Any]  # the tuner's measurement; what it returns is the tuner's business
+
+
+ABANDONED = "the study ended (a config was published) while this trial measured: its measurement was stopped"
+
+
+class TrialAbandoned(RuntimeError):
+    """A published config ended the study while this trial measured."""
+
+
+class LentEngine:
+    """The engine as a trial's measurement uses it (from a worker thread): every call passes through, except
+    that once the trial is abandoned its requests in flight are cancelled and new ones refused. A published
+    config (the pick, or the restore after Ctrl-C) then gets the engine within about one measured round,
+    not after the whole measurement, which on a loaded CPU can take minutes."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._handles: list[RequestHandle] = []
+        self.abandoned = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def submit(self, prompt_tokens: list[int], params: SamplingParams) -> RequestHandle:
+        if self.abandoned:
+            raise TrialAbandoned(ABANDONED)
+        handle = self._engine.submit(prompt_tokens, params)
+        self._handles = [h for h in self._handles if not h.finished] + [handle]
+        return handle
+
+    def abandon(self) -> None:
+        """Stop the measurement: cancel its requests (RequestHandle.cancel is the engine's cross-thread
+        cancel) and refuse the next; a request submitted in the same instant runs to its end."""
+        self.abandoned = True
+        for handle in list(self._handles):
+            handle.cancel()
 
 
 @dataclass(frozen=True)
@@ -74,6 +111,7 @@ class TrialHost:
         self._waiting = 0  # clients waiting for their turn
         self._passing = 0  # clients between their turn and their submit
         self._trials = 0  # trials running or waiting for their turn
+        self._lent: LentEngine | None = None  # the engine as the measuring trial holds it
 
     # -- clients -------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -138,8 +176,10 @@ class TrialHost:
                 t0 = time.perf_counter()
                 await asyncio.to_thread(engine.reconfigure, config)
                 setup_s = time.perf_counter() - t0
-                result = await asyncio.to_thread(measure, engine)
+                self._lent = LentEngine(engine)
+                result = await asyncio.to_thread(measure, cast("Engine", self._lent))
             finally:
+                self._lent = None
                 current.in_trial, current.last_activity = False, self._clock()
             held_s = time.perf_counter() - held
         return TrialRun(result, setup_s, held_s, engine.weight_loads)
@@ -153,6 +193,14 @@ class TrialHost:
             await asyncio.sleep(IDLE_POLL_S)
 
     # -- the end -------------------------------------------------------------------------------------
+    def abandon(self) -> None:
+        """A config was published: the trial measuring now (if one is) stops, so the config is applied
+        without waiting for the rest of its measurement."""
+        if self._lent is not None:
+            log.info("%s: a config was published; stopping the trial's measurement",
+                     self.study.status() if self.study else "tuning")
+            self._lent.abandon()
+
     def finish(self) -> None:
         """The study is over (a config was published and is being applied): clients need no turns."""
         if self.study is not None:

@@ -198,3 +198,56 @@ def test_a_failed_measurement_reaches_the_tuner_and_frees_the_turn() -> None:
             return [engine.config]
 
     assert asyncio.run(scenario()) == [SERVING]
+
+
+class FakeHandle:
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.finished = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_published_config_stops_the_measuring_trial_within_a_round() -> None:
+    """Ctrl-C publishes the old config while a trial measures: the measurement's requests are cancelled and its
+    next submit refused, so the config is applied at once rather than after the whole (slow) measurement."""
+    import threading
+    import time
+
+    from serving.trials import TrialAbandoned
+
+    engine, handles, submitted = FakeEngine(), [], threading.Event()
+
+    def submit(prompt: list[int], params: Any) -> FakeHandle:
+        handles.append(FakeHandle())
+        return handles[-1]
+
+    engine.submit = submit  # type: ignore[attr-defined]
+
+    def measure(lent: Any) -> dict:  # rounds of requests until it is told to stop
+        assert lent.config == TRIAL, "the other calls reach the engine"
+        for _ in range(1000):
+            handle = lent.submit([1, 2], None)
+            submitted.set()
+            while not handle.cancelled and not handle.finished:
+                time.sleep(0.005)
+            handle.finished = True
+        return {"measured": "all"}
+
+    async def scenario() -> BaseException | None:
+        host = _host(engine)
+        trial = asyncio.create_task(host.run_trial("s", 2, TRIAL, measure))
+        await asyncio.to_thread(submitted.wait, 10)
+        host.abandon()
+        try:
+            await asyncio.wait_for(trial, 10)
+        except TrialAbandoned as exc:
+            return exc
+        return None
+
+    raised = asyncio.run(scenario())
+    assert isinstance(raised, TrialAbandoned), "the measurement was stopped, not run to its end"
+    assert handles and handles[0].cancelled and len(handles) == 1, "its request cancelled, no next one sent"
+    idle = _host(FakeEngine())
+    idle.abandon()  # no trial measuring: nothing to stop
