@@ -32,7 +32,7 @@ from serving.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the li
 from measure.provenance import provenance  # noqa: E402
 from measure.workload import source_text  # noqa: E402
 from serving.config import EngineConfig  # noqa: E402
-from serving.engine import default_threads  # noqa: E402
+from serving.config import default_threads  # noqa: E402
 from serving.repack import use_extra_bufts  # noqa: E402
 
 SETTINGS = ("f16/f16:auto", "f16/f16:off", "q8_0/q8_0:on", "q8_0/f16:on")  # type_k/type_v:flash_attn

@@ -26,7 +26,7 @@ if str(REPO_ROOT) not in sys.path:
 from serving.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
 from measure.provenance import provenance, write_report  # noqa: E402
 from serving.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
-from serving.engine import default_threads  # noqa: E402
+from serving.config import default_threads  # noqa: E402
 from serving.repack import use_extra_bufts  # noqa: E402
 
 SETS: tuple[tuple[int, ...], ...] = ((0,), (0, 1), (0, 2), (0, 3), (1, 2), (0, 1, 2, 3))

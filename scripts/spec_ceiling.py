@@ -39,8 +39,8 @@ from bench_verify import timed_decode  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import prompt_tokens  # noqa: E402
 from measure.workload import Prompts, PromptSet  # noqa: E402
-from serving.config import EngineConfig, SpecMode  # noqa: E402
-from serving.engine import Engine, default_threads  # noqa: E402
+from serving.config import EngineConfig, SpecMode, default_threads  # noqa: E402
+from serving.engine import Engine  # noqa: E402
 from serving.repack import use_extra_bufts  # noqa: E402
 from serving.request import FinishReason, SamplingParams  # noqa: E402
 from serving.speculate import Acceptance, PromptLookup, SpecSettings, StepCosts, draft_length  # noqa: E402

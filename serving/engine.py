@@ -22,7 +22,6 @@ import concurrent.futures
 import itertools
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -36,7 +35,7 @@ from serving.llama import LlamaContext, LlamaModel, check_draft_vocabulary
 import numpy as np  # noqa: E402
 
 from serving.chat_template import ChatTemplate  # noqa: E402
-from serving.config import EngineConfig  # noqa: E402
+from serving.config import EngineConfig, default_threads  # noqa: E402
 from serving.errors import EngineError, EngineStoppedError, PromptTooLongError, QueueFullError  # noqa: E402
 from serving.output import OutputProcessor  # noqa: E402
 from serving.repack import use_extra_bufts  # noqa: E402
@@ -50,11 +49,6 @@ log = logging.getLogger(__name__)
 STEP_FAILED = "internal engine error; the request was not completed"
 SHUTTING_DOWN = "the engine is shutting down"
 JOIN_TIMEOUT_S = 30.0
-
-
-def default_threads() -> int:
-    """CPUs this process may run on (llama.cpp's own default of 4 oversubscribes small machines)."""
-    return max(1, len(os.sched_getaffinity(0)))
 
 
 @dataclass
@@ -539,4 +533,4 @@ def _drain(commands: queue.SimpleQueue[_Command]) -> list[_Command]:
             return out
 
 
-__all__ = ["Engine", "EngineError", "EngineStats", "PromptTooLongError", "default_threads"]
+__all__ = ["Engine", "EngineError", "EngineStats", "PromptTooLongError"]

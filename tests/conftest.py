@@ -12,6 +12,7 @@ fixture or test that needs them) and a unit test imports neither while it runs (
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -32,6 +33,15 @@ _heavy_collections: list[str] = []
 
 def _heavy_loaded() -> frozenset[str]:
     return frozenset(m for m in HEAVY if m in sys.modules)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every engine the suite starts (in-process, in a replica, in a tuner child) decodes on one thread unless
+    the caller sets $LLAMA_SERVE_TUNE_THREADS: with a thread on each core, a busy neighbour stalls the others
+    at llama.cpp's barriers and the suite ran several times slower; with one it runs as it does alone."""
+    from serving.config import THREADS_ENV
+
+    os.environ.setdefault(THREADS_ENV, "1")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -92,6 +92,22 @@ def test_a_per_token_reader_gets_one_chunk_per_token_even_when_it_lags() -> None
     assert [c.token_ids for c in asyncio.run(main())] == [[i] for i in range(10)]
 
 
+@pytest.mark.unit
+def test_default_threads_are_every_cpu_unless_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving.config import THREADS_ENV, available_cpus, default_threads
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert default_threads() == available_cpus()
+    monkeypatch.setenv(THREADS_ENV, "1")
+    assert default_threads() == 1
+    monkeypatch.setenv(THREADS_ENV, "100000")
+    assert default_threads() == available_cpus()  # a cap, never more threads than CPUs
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=THREADS_ENV):
+            default_threads()
+
+
 @pytest.mark.engine
 def test_auto_interval_paces_harder_only_where_decoding_takes_every_core() -> None:
     from serving.app import CPU_BOUND_INTERVAL_MS, INTERVAL_MS, stream_interval_ms
@@ -102,6 +118,7 @@ def test_auto_interval_paces_harder_only_where_decoding_takes_every_core() -> No
     assert stream_interval_ms("auto", EngineConfig(), gpu_offload=False, cpus=2) == CPU_BOUND_INTERVAL_MS
     assert stream_interval_ms("auto", EngineConfig(), gpu_offload=True, cpus=16) == INTERVAL_MS  # on the GPU
     assert stream_interval_ms("auto", EngineConfig(n_gpu_layers=0, n_threads=1), True, cpus=2) == INTERVAL_MS
+    assert stream_interval_ms("auto", cpu, True, cpus=2, threads=1) == INTERVAL_MS  # capped default threads
     assert stream_interval_ms(0.0, cpu, gpu_offload=False, cpus=2) == 0.0  # a number is taken as given
     assert stream_interval_ms(75.0, EngineConfig(), gpu_offload=True, cpus=16) == 75.0
 
