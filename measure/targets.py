@@ -28,6 +28,7 @@ from serving.request import SamplingParams
 
 if TYPE_CHECKING:  # imported where an engine is built: the HTTP and llama-server helpers need no libllama
     from serving.engine import Engine
+    from serving.request import RequestHandle
 
 MAX_CONNECTIONS = 64
 LOOPBACK_NAMES = ("localhost",)
@@ -52,7 +53,31 @@ class EngineTarget:
     async def run_stream(self, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> StreamRecord:
         record = StreamRecord(t_start=time.perf_counter())
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-        handle = self.engine.submit(prompt_tokens(self.engine, prompt), params)
+        return await self._read(self.engine.submit(prompt_tokens(self.engine, prompt), params), record)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text as tokens without BOS (pieces of a replayed prompt: measure/replay.py)."""
+        return self.engine.tokenize(text, add_special=False, parse_special=False)
+
+    async def run_tokens(self, tokens: list[int], max_tokens: int, temperature: float, n: int) -> StreamRecord:
+        """A replayed request: `n` choices of `max_tokens` each, EOS ignored; the record times the first
+        choice and counts every choice's tokens (OpenAI's usage)."""
+        record = StreamRecord(t_start=time.perf_counter())
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                                seed=1 if temperature > 0 else None)
+        first, *others = self.engine.submit_choices(tokens, params, n)
+        try:
+            await self._read(first, record)
+            for handle in others:
+                other = await self._read(handle, StreamRecord(t_start=record.t_start))
+                record.completion_tokens = (record.completion_tokens or 0) + (other.completion_tokens or 0)
+        except BaseException:
+            for handle in others:
+                handle.cancel()
+            raise
+        return record
+
+    async def _read(self, handle: RequestHandle, record: StreamRecord) -> StreamRecord:
         async for chunk in handle:
             t = time.perf_counter()
             if chunk.error:

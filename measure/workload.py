@@ -86,8 +86,13 @@ class Prompts:
 
     def round(self, streams: int) -> list[Prompt]:
         """The prompts of one round: stream i gets base prompt i, each with a fresh number."""
-        first, self.next_number = self.next_number, self.next_number + streams
+        first = self.reserve(streams)
         return [self._prompt(first + i, i) for i in range(streams)]
+
+    def reserve(self, count: int) -> int:
+        """The first of `count` numbers no other prompt of this set gets (a replay's salt, say)."""
+        first, self.next_number = self.next_number, self.next_number + count
+        return first
 
     def _prompt(self, number: int, stream: int) -> Prompt:
         if self.prompt_set == PromptSet.plain:

@@ -424,8 +424,13 @@ class LlamaServer(OpenAIRoutes):
                       ) -> dict[str, Any]:
         """The shape of the client traffic served (token counts, kinds, arrival times; never text), merged
         over every engine replica: totals, histograms and the recent arrivals, for the tuner to replay."""
-        summary, missing = await gather_traffic(self._peer_handle(), await self.traffic_summary())
+        summary, missing = await self.all_traffic()
         return {**summary.as_dict(recent), "replicas_missing": missing}
+
+    async def all_traffic(self) -> tuple[TrafficSummary, int | None]:
+        """Every engine replica's traffic merged, and how many did not answer (what /traffic shows, and what
+        the tuner's `--workload live` replays)."""
+        return await gather_traffic(self._peer_handle(), await self.traffic_summary())
 
     async def traffic_summary(self) -> TrafficSummary:
         """This replica's traffic record as a value (what /traffic asks every replica for)."""

@@ -59,11 +59,14 @@ class LentEngine:
         return getattr(self._engine, name)
 
     def submit(self, prompt_tokens: list[int], params: SamplingParams) -> RequestHandle:
+        return self.submit_choices(prompt_tokens, params, 1)[0]
+
+    def submit_choices(self, prompt_tokens: list[int], params: SamplingParams, n: int) -> list[RequestHandle]:
         if self.abandoned:
             raise TrialAbandoned(ABANDONED)
-        handle = self._engine.submit(prompt_tokens, params)
-        self._handles = [h for h in self._handles if not h.finished] + [handle]
-        return handle
+        handles = self._engine.submit_choices(prompt_tokens, params, n)
+        self._handles = [h for h in self._handles if not h.finished] + handles
+        return handles
 
     def abandon(self) -> None:
         """Stop the measurement: cancel its requests (RequestHandle.cancel is the engine's cross-thread

@@ -17,12 +17,13 @@ def _handle() -> RequestHandle:
     return RequestHandle(Request(1, [1], SamplingParams()), threading.Event())
 
 
-def _push_tokens(handle: RequestHandle, n: int, every_s: float, finish: FinishReason = FinishReason.length
-                 ) -> threading.Thread:
-    """Push `n` one-token chunks `every_s` apart from another thread, the last one finishing the request."""
+def _push_tokens(handle: RequestHandle, n: int, every_s: float, finish: FinishReason = FinishReason.length,
+                 first_gap_s: float = 0.0) -> threading.Thread:
+    """Push `n` one-token chunks `every_s` apart from another thread (the second `first_gap_s` after the first,
+    when that is longer), the last one finishing the request."""
     def run() -> None:
         for i in range(n):
-            time.sleep(every_s)
+            time.sleep(max(every_s, first_gap_s) if i == 1 else every_s)
             last = i == n - 1
             handle.push(GenerationChunk(text=f"<{i}>", token_ids=[i], finish_reason=finish if last else None,
                                         usage=Usage(1, n) if last else None))
@@ -32,12 +33,12 @@ def _push_tokens(handle: RequestHandle, n: int, every_s: float, finish: FinishRe
     return thread
 
 
-def _pushed_and_read(n: int, every_s: float, spacing_s: float | None,
-                     finish: FinishReason = FinishReason.length) -> tuple[list[GenerationChunk], float]:
+def _pushed_and_read(n: int, every_s: float, spacing_s: float | None, finish: FinishReason = FinishReason.length,
+                     first_gap_s: float = 0.0) -> tuple[list[GenerationChunk], float]:
     """`n` tokens pushed `every_s` apart, read through `paced`; the chunks read and the seconds it took."""
     async def main() -> list[GenerationChunk]:
         handle = _handle()
-        thread = _push_tokens(handle, n, every_s, finish)
+        thread = _push_tokens(handle, n, every_s, finish, first_gap_s)
         chunks = [chunk async for chunk in paced(handle, None if spacing_s is None else lambda: spacing_s)]
         thread.join()
         return chunks
@@ -49,12 +50,14 @@ def _pushed_and_read(n: int, every_s: float, spacing_s: float | None,
 
 @pytest.mark.unit
 def test_paced_reader_gets_every_token_in_order_in_fewer_chunks_and_the_first_alone() -> None:
-    chunks, _ = _pushed_and_read(40, 0.005, 0.05)
+    chunks, _ = _pushed_and_read(40, 0.0005, 0.2, first_gap_s=0.5)  # the first alone for 0.5 s: read alone
     tokens = [t for c in chunks for t in c.token_ids]
     assert tokens == list(range(40))
     assert "".join(c.text for c in chunks) == "".join(f"<{i}>" for i in range(40))
     assert chunks[0].token_ids == [0]  # the first token never waits for company
-    assert len(chunks) < 20  # ~0.2 s of tokens at one chunk per 0.05 s: far fewer chunks than tokens
+    # then ~0.02 s of tokens at one chunk per 0.2 s: a few chunks; fewer than 20 even where a busy machine
+    # stretches each 0.5 ms sleep twenty-fold
+    assert len(chunks) < 20
     assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [FinishReason.length]
     assert chunks[-1].usage == Usage(1, 40)
 

@@ -3,6 +3,7 @@ on the pick that its output, tuned.yaml and the report share."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,10 +13,11 @@ import pytest
 
 from serving.config import EngineConfig
 from tuning.confirm import Candidate, Confirmed, decide
-from tuning.options import SearchOptions, Where, _parser, parse_options
+from tuning.options import Prefer, SearchOptions, Where, _parser, parse_options
 from tuning.report import TrialRow
-from tuning.results import TrialResult
+from tuning.results import Objective, TrialResult
 from tuning.search import Confirmation, UserError, pick_summary, plan_line, serving_app
+from tuning.workloads import least_context, traffic_plan
 
 pytestmark = pytest.mark.unit
 
@@ -132,3 +134,83 @@ def test_repo_relative_defaults_show_as_such(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("COLUMNS", "400")  # one line per flag
     text = _parser().format_help()
     assert "(default: configs/tuned.yaml)" in text and str(Path(__file__).parents[1]) not in text
+
+
+# -- traffic workloads ----------------------------------------------------------------------------------------
+
+def test_a_workload_makes_goodput_the_objective_and_its_best_the_pick() -> None:
+    plain = parse_options([])
+    assert plain.objective is Objective.aggregate and plain.prefer is Prefer.balanced
+    chat = parse_options(["--workload", "chat", "--slo", "ttft_p95=2s"])
+    assert chat.objective is Objective.goodput and chat.prefer is Prefer.aggregate
+    assert chat.replay_requests == 100, "a p95 needs 100 requests for 5 beyond it"
+    assert parse_options(["--workload", "rag", "--slo", "e2e_p99=30s"]).replay_requests == 500
+    assert parse_options(["--workload", "rag", "--requests", "12"]).replay_requests == 12
+    assert parse_options(["--workload", "rag", "--prefer", "balanced"]).prefer is Prefer.balanced
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--slo", "ttft_p97=1s"], "--slo: .*percentile is one of"),
+    (["--workload", "chat", "--objective", "aggregate"], "on a --workload the objective is goodput"),
+    (["--objective", "goodput"], "--objective goodput needs --workload"),
+    (["--offline", "--slo", "ttft_p95=1s"], "--slo offline needs --workload"),
+    (["--offline", "--workload", "live"], "needs the app"),
+    (["--workload", "no-such-file.jsonl"], "not live, chat, rag, agent, or an existing file"),
+    (["--workload", "chat", "--rate", "0"], "--rate and --rate-scale must be above 0"),
+], ids=["percentile", "objective", "goodput-alone", "slo-offline", "live-offline", "file", "rate"])
+def test_traffic_flags_that_do_not_fit_are_usage_errors(argv: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_options(argv)
+    assert info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def _recorded(count: int) -> Any:
+    from serving.traffic import RequestKind, RequestShape, TrafficRecord
+
+    record = TrafficRecord(limit=100)
+    for i in range(count):
+        record.add(RequestShape(arrival=1000.0 + 0.5 * i, kind=RequestKind.greedy, prompt_tokens=100 + i,
+                                cached_tokens=20, output_tokens=30))
+    return lambda app: (record.summary("r1"), None)
+
+
+def test_in_place_the_recorded_traffic_is_the_workload_once_there_is_enough(capsys: pytest.CaptureFixture) -> None:
+    from measure.replay import Arrivals
+
+    opts, plan = traffic_plan(parse_options(["--requests", "40"]), APP, _recorded(50))
+    assert plan is not None and opts.workload == "live" and opts.objective is Objective.goodput
+    workload = plan.workload
+    assert len(workload.requests) == 40 and workload.arrivals is Arrivals.open, "the latest 40, at their times"
+    assert workload.requests[0].prompt_tokens == 110 and workload.rate_per_s == pytest.approx(2.0)
+    assert "workload: live" in capsys.readouterr().out
+    few_opts, none = traffic_plan(parse_options([]), APP, _recorded(5))
+    assert none is None and few_opts.objective is Objective.aggregate
+    assert "recorded 5 client requests" in capsys.readouterr().out
+    with pytest.raises(UserError, match="has recorded 5 requests"):
+        traffic_plan(parse_options(["--slo", "ttft_p95=1s"]), APP, _recorded(5))
+
+
+def test_offline_a_built_in_workload_is_replayed_closed_loop_or_at_a_rate() -> None:
+    from measure.replay import Arrivals
+
+    _, plan = traffic_plan(parse_options(["--workload", "rag", "--requests", "10", "--concurrency", "2"]), None)
+    assert plan is not None and plan.workload.arrivals is Arrivals.closed and plan.workload.concurrency == 2
+    assert len(plan.workload.requests) == 10 and str(plan.slo) == "none"
+    _, poisson = traffic_plan(parse_options(["--workload", "chat", "--rate", "3", "--requests", "200"]), None)
+    assert poisson is not None and poisson.workload.arrivals is Arrivals.open
+    assert poisson.workload.rate_per_s == pytest.approx(3.0, rel=0.2)
+    nothing_opts, nothing = traffic_plan(parse_options([]), None)
+    assert nothing is None and nothing_opts.workload is None
+
+
+def test_every_slot_holds_the_workloads_largest_request() -> None:
+    shape = SimpleNamespace(n_ctx_train=8192)
+    _, plan = traffic_plan(parse_options(["--workload", "rag", "--requests", "30"]), None)
+    assert least_context(parse_options([]), shape, None) == 2048  # type: ignore[arg-type]
+    need = plan.workload.max_context
+    assert 2048 < need <= 6128 and least_context(parse_options([]), shape, plan) == need  # type: ignore[arg-type]
+    assert least_context(parse_options(["--min-ctx-per-slot", "1024"]), shape, plan) == 1024  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="training context"):
+        least_context(parse_options([]), SimpleNamespace(n_ctx_train=4096), plan)  # type: ignore[arg-type]

@@ -219,11 +219,11 @@ def test_a_published_config_stops_the_measuring_trial_within_a_round() -> None:
 
     engine, handles, submitted = FakeEngine(), [], threading.Event()
 
-    def submit(prompt: list[int], params: Any) -> FakeHandle:
-        handles.append(FakeHandle())
-        return handles[-1]
+    def submit_choices(prompt: list[int], params: Any, n: int) -> list[FakeHandle]:
+        handles.extend(FakeHandle() for _ in range(n))
+        return handles[-n:]
 
-    engine.submit = submit  # type: ignore[attr-defined]
+    engine.submit_choices = submit_choices  # type: ignore[attr-defined]
 
     def measure(lent: Any) -> dict:  # rounds of requests until it is told to stop
         assert lent.config == TRIAL, "the other calls reach the engine"

@@ -20,6 +20,7 @@ from ray.tune import Callback
 
 from serving.config import EngineConfig
 from serving.control import DEPLOYMENT_NAME
+from serving.traffic import TrafficSummary
 from serving.trials import TrialRun
 from tuning.objective import InPlaceMeasure, SpeedMeasure
 from tuning.results import Measurement, MeasuredRun, SpeedFigures, TrialResult
@@ -71,7 +72,8 @@ class ReplicaTrial(ConfigTrial):
     def _measure(self, config: EngineConfig) -> MeasuredRun:
         from ray.exceptions import RayError
 
-        measure = InPlaceMeasure(self.settings.workload, self.settings.on_gpu, next(self.requests), self.baseline)
+        measure = InPlaceMeasure(self.settings.workload, self.settings.on_gpu, next(self.requests), self.baseline,
+                                 self.settings.traffic)
         try:
             run: TrialRun = self.handle.tune_trial.remote(self.study, self.trials, config.to_yaml_dict(),
                                                           measure).result()
@@ -91,6 +93,14 @@ def replica_speed(app: str, study: str, trials: int, config: EngineConfig, measu
     run: TrialRun = handle.tune_trial.remote(study, trials, config.to_yaml_dict(), measure).result()
     figures: SpeedFigures = run.measured
     return figures
+
+
+def recorded_traffic(app: str) -> tuple[TrafficSummary, int | None]:
+    """The app's client traffic as its replicas recorded it, merged (GET /traffic), and how many replicas
+    did not answer."""
+    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
+    summary, missing = handle.all_traffic.remote().result(timeout_s=60)
+    return summary, missing
 
 
 class FirstTrialNotice(Callback):

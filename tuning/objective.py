@@ -19,9 +19,10 @@ from serving.config import CacheType
 from serving.engine import Engine
 from tuning.device import DeviceProbe
 from tuning.results import CurvePoint, Measurement, SpeedFigures
+from tuning.workloads import TrafficPlan
 
-__all__ = ["InPlaceMeasure", "Runner", "Speed", "SpeedMeasure", "Workload", "baseline_nll", "measure_engine",
-           "quality_tokens"]
+__all__ = ["InPlaceMeasure", "Runner", "Speed", "SpeedMeasure", "Workload", "baseline_nll",
+           "measure_engine", "quality_tokens"]
 
 QUALITY_PROBE_CTX = 1024
 
@@ -46,10 +47,15 @@ def baseline_nll(engine: Engine) -> float:
         engine.reconfigure(config)
 
 
-def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline: float | None) -> Measurement:
+def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline: float | None,
+                   traffic: TrafficPlan | None = None) -> Measurement:
     """Speed, memory and quality of `engine` as it runs now; `baseline` (the f16 NLL) is measured when None.
-    Runs the workload in an event loop of its own: call it from a thread that has none running."""
+    On a traffic workload the speed is its replay's: the median request's decode tok/s stands for the single
+    stream, output tok/s for the aggregate, and goodput beside them. Runs the workload in an event loop of
+    its own: call it from a thread that has none running."""
     mem_measured = probe.memory_in_use()
+    if traffic is not None:
+        return _traffic_measurement(engine, runner, probe, baseline, traffic, mem_measured)
     speed, capacity, copy = asyncio.run(_speed_figures(runner, EngineTarget(engine)))
     nll = engine.score(quality_tokens(engine))
     reference = baseline_nll(engine) if baseline is None else baseline
@@ -62,6 +68,18 @@ def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline:
         capacity_tok_s=capacity.tok_s if capacity is not None else None,
         capacity_streams=capacity.streams if capacity is not None else None, capacity_curve=curve,
         single_copy_tok_s=copy, **probe.state())
+
+
+def _traffic_measurement(engine: Engine, runner: Runner, probe: DeviceProbe, baseline: float | None,
+                         traffic: TrafficPlan, mem_measured: int) -> Measurement:
+    figures = traffic.replay(engine, runner.prompts.reserve(len(traffic.workload.requests)))
+    nll = engine.score(quality_tokens(engine))
+    reference = baseline_nll(engine) if baseline is None else baseline
+    ttft = figures.percentiles.get("ttft_p50", (0.0, 0.0, 0.0, 0))[0]
+    return Measurement(
+        single_tok_s=figures.median_stream_tok_s, aggregate_tok_s=figures.output_tok_s, ttft_ms=1000 * ttft,
+        prefill_tok_s=0.0, nll=nll, nll_baseline=reference, mem_measured=mem_measured,
+        weight_loads=engine.weight_loads, weight_load_s=engine.weight_load_s, traffic=figures, **probe.state())
 
 
 async def _speed_figures(runner: Runner, target: EngineTarget) -> tuple[Speed, Capacity | None, float | None]:
@@ -98,10 +116,12 @@ class InPlaceMeasure:
     on_gpu: bool
     first_request: int
     baseline: float | None = None
+    traffic: TrafficPlan | None = None
 
     def __call__(self, engine: Engine) -> Measurement:
         probe = DeviceProbe(self.on_gpu, whole_device=True)
-        return measure_engine(engine, Runner(self.workload, self.first_request), probe, self.baseline)
+        return measure_engine(engine, Runner(self.workload, self.first_request), probe, self.baseline,
+                              self.traffic)
 
 
 @dataclass(frozen=True)
@@ -111,8 +131,13 @@ class SpeedMeasure:
 
     workload: Workload
     first_request: int
+    traffic: TrafficPlan | None = None
 
     def __call__(self, engine: Engine) -> SpeedFigures:
+        if self.traffic is not None:
+            figures = self.traffic.replay(engine, self.first_request)
+            return SpeedFigures(single_tok_s=figures.median_stream_tok_s, aggregate_tok_s=figures.output_tok_s,
+                                goodput_rps=figures.goodput_rps)
         return asyncio.run(self._measure(Runner(self.workload, self.first_request), EngineTarget(engine)))
 
     @staticmethod

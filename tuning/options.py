@@ -12,10 +12,14 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from measure.replay import DEFAULT_CONCURRENCY, DEFAULT_REQUESTS, Builtin
+from measure.slo import Slo
 from measure.workload import PromptSet
 from tuning.report import Objective
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+LIVE = "live"  # --workload live: the serving app's recorded traffic
+LIVE_MIN_REQUESTS = 32  # in place, the recorded traffic is the default workload once it holds this many
 
 
 class Where(str, Enum):
@@ -66,8 +70,14 @@ class SearchOptions:
     prompt_set: str = PromptSet.plain.value  # a PromptSet's value, or "both"
     min_stream_tok_s: float | None = None
     max_quality_loss: float = 0.01
-    objective: Objective = Objective.aggregate
-    prefer: Prefer = Prefer.balanced
+    workload: str | None = None  # LIVE, a Builtin's value, or a JSONL file's path; None: the fixed benchmark
+    slo: Slo | None = None
+    requests: int | None = None  # None: DEFAULT_REQUESTS, or more where the SLO's percentiles need them
+    concurrency: int = DEFAULT_CONCURRENCY
+    rate: float | None = None
+    rate_scale: float = 1.0
+    objective_choice: Objective | None = None  # as given; `objective` says what applies
+    prefer_choice: Prefer | None = None
     confirm_rounds: int = 3
     confirm_top: int = 3
     sampler: Sampler = Sampler.tpe
@@ -77,6 +87,27 @@ class SearchOptions:
     results_dir: Path = REPO_ROOT / "results"
     out: Path = REPO_ROOT / "configs" / "tuned.yaml"
     apply: bool = True
+
+    @property
+    def objective(self) -> Objective:
+        """The second objective: as given, else goodput on a traffic workload, else the 4-way aggregate."""
+        if self.objective_choice is not None:
+            return self.objective_choice
+        return Objective.goodput if self.workload is not None else Objective.aggregate
+
+    @property
+    def prefer(self) -> Prefer:
+        """As given, else the best second objective (goodput) on a traffic workload, else balanced."""
+        if self.prefer_choice is not None:
+            return self.prefer_choice
+        return Prefer.aggregate if self.objective is Objective.goodput else Prefer.balanced
+
+    @property
+    def replay_requests(self) -> int:
+        """Requests a trial replays: --requests, else enough for the SLO's percentiles (p95: 100), at least 64."""
+        if self.requests is not None:
+            return self.requests
+        return max(DEFAULT_REQUESTS, self.slo.min_samples() if self.slo else 0)
 
     @property
     def workload_prompt_set(self) -> PromptSet:
@@ -146,13 +177,37 @@ def _parser() -> argparse.ArgumentParser:
                        help="per-stream floor of the capacity figure, e.g. 10 (a reader's pace); given, every trial "
                             "also measures its capacity curve: 1, 2, 4, ... streams up to its slots")
 
+    traffic = p.add_argument_group("the traffic each trial serves (instead of the fixed benchmark above)")
+    traffic.add_argument("--workload", metavar="live|chat|rag|agent|FILE",
+                         help="live: the serving app's recorded traffic (GET /traffic; in place the default once "
+                              f"it holds {LIVE_MIN_REQUESTS} requests); chat, rag, agent: built in; FILE: JSONL of "
+                              "request shapes (prompt_tokens, output_tokens, optional arrival, cached_tokens, n, "
+                              "kind: the lines of /traffic's recent.requests). The second objective becomes goodput")
+    traffic.add_argument("--slo", metavar="TARGETS",
+                         help="latency targets, e.g. ttft_p95=1.5s,itl_p95=80ms (ttft, itl or e2e at p50, p90, p95 or "
+                              "p99): goodput counts only requests within them, and a trial that misses one is "
+                              "infeasible (the report says by how much)")
+    traffic.add_argument("--requests", type=int,
+                         help=f"requests replayed per trial (default: {DEFAULT_REQUESTS}, or enough for the SLO's "
+                              "percentiles to leave 5 samples beyond them: 100 for a p95, 500 for a p99)")
+    traffic.add_argument("--concurrency", type=int, default=d.concurrency,
+                         help="closed loop (built-in workloads and files without arrival times): clients, each "
+                              "sending its next request when its last one ended")
+    traffic.add_argument("--rate", type=float,
+                         help="open loop instead: Poisson arrivals at this many requests/s")
+    traffic.add_argument("--rate-scale", type=float, default=d.rate_scale,
+                         help="open loop at recorded arrival times (live, files with arrivals): their rate times this")
+
     pick = p.add_argument_group("how the pick is made")
-    pick.add_argument("--objective", choices=[o.value for o in Objective], default=d.objective.value,
-                      help="the second objective beside single-stream tok/s: aggregate (4 streams at once) or "
-                           "capacity (the best aggregate with every stream at least --min-stream-tok-s)")
-    pick.add_argument("--prefer", choices=[c.value for c in Prefer], default=d.prefer.value,
-                      help="balanced: the best second objective among configs within 5%% of the best single "
-                           "stream; single or aggregate: the best of that figure")
+    pick.add_argument("--objective", choices=[o.value for o in Objective],
+                      help="the second objective beside single-stream tok/s: aggregate (4 streams at once), "
+                           "capacity (the best aggregate with every stream at least --min-stream-tok-s) or goodput "
+                           "(a traffic workload's requests/s within the SLO; the first objective is then its median "
+                           "request's tok/s) (default: goodput with a workload, else aggregate)")
+    pick.add_argument("--prefer", choices=[c.value for c in Prefer],
+                      help="balanced: the best second objective among configs within 5%% of the best first one; "
+                           "single: the best first objective; aggregate: the best second objective (default: "
+                           "aggregate on a workload, else balanced)")
     pick.add_argument("--confirm-rounds", type=int, default=d.confirm_rounds,
                       help="after the search, measure the best --confirm-top configs and the baseline this many "
                            "more times, interleaved, and pick on paired ratios (0: pick on the search's figures)")
@@ -186,11 +241,47 @@ def parse_options(argv: list[str] | None = None) -> SearchOptions:
         p.error("--min-stream-tok-s must be > 0")
     if ns.confirm_rounds < 0 or ns.confirm_top < 1:
         p.error("--confirm-rounds must be >= 0 and --confirm-top >= 1")
+    slo = _slo(p, ns.slo)
+    _check_traffic(p, ns)
+    if ns.objective == Objective.goodput.value and not (ns.workload or slo):
+        p.error("--objective goodput needs --workload (or, in place, --slo: the recorded traffic)")
+    if ns.workload and ns.objective in (Objective.aggregate.value, Objective.capacity.value):
+        p.error(f"--objective {ns.objective} is the fixed benchmark's; on a --workload the objective is goodput")
     return SearchOptions(
         trials=ns.trials, where=ns.where or Where.auto, app_name=ns.app_name, ray_address=ns.ray_address,
         serve_address=ns.serve_address, model=ns.model, base_config=ns.base_config, space=ns.space,
         vram_budget=ns.vram_budget, min_ctx_per_slot=ns.min_ctx_per_slot, device=DeviceChoice(ns.device),
         gen_tokens=ns.gen_tokens, repeats=ns.repeats, prompt_set=ns.prompt_set, min_stream_tok_s=ns.min_stream_tok_s,
-        max_quality_loss=ns.max_quality_loss, objective=Objective(ns.objective), prefer=Prefer(ns.prefer),
+        max_quality_loss=ns.max_quality_loss, workload=ns.workload, slo=slo, requests=ns.requests,
+        concurrency=ns.concurrency, rate=ns.rate, rate_scale=ns.rate_scale,
+        objective_choice=Objective(ns.objective) if ns.objective else None,
+        prefer_choice=Prefer(ns.prefer) if ns.prefer else None,
         confirm_rounds=ns.confirm_rounds, confirm_top=ns.confirm_top, sampler=Sampler(ns.sampler), seed=ns.seed,
         storage=ns.storage, study_name=ns.study_name, results_dir=ns.results_dir, out=ns.out, apply=ns.apply)
+
+
+def _slo(p: argparse.ArgumentParser, text: str | None) -> Slo | None:
+    if text is None:
+        return None
+    try:
+        return Slo.parse(text)
+    except ValueError as exc:
+        p.error(f"--slo: {exc}")
+
+
+def _check_traffic(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """The traffic flags make sense together (the workload file itself is read when the study starts)."""
+    named = ns.workload in (None, LIVE, *(b.value for b in Builtin))
+    if not named and not Path(ns.workload).is_file():
+        p.error(f"--workload {ns.workload!r}: not live, {', '.join(b.value for b in Builtin)}, or an existing file")
+    if ns.requests is not None and ns.requests < 1:
+        p.error("--requests must be at least 1")
+    if ns.concurrency < 1:
+        p.error("--concurrency must be at least 1")
+    if (ns.rate is not None and not ns.rate > 0) or not ns.rate_scale > 0:
+        p.error("--rate and --rate-scale must be above 0")
+    if ns.workload == LIVE and ns.where is Where.offline:
+        p.error("--workload live replays the serving app's traffic: it needs the app (drop --offline)")
+    if ns.slo and not ns.workload and ns.where is Where.offline:
+        p.error("--slo offline needs --workload (chat, rag, agent or a FILE): the fixed benchmark has no latency "
+                "targets")

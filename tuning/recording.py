@@ -77,6 +77,8 @@ class RecordingOptunaSearch(OptunaSearch):
             ot_trial.set_user_attr(key, value)
         ot_trial.set_constraint("memory", record.constraint_mem)
         ot_trial.set_constraint("quality", record.constraint_quality)
+        if record.workload:  # a study on a traffic workload: its SLO too (every trial of it has one)
+            ot_trial.set_constraint("slo", record.constraint_slo)
 
 
 def _params(result: dict[str, Any]) -> dict[str, Any]:

@@ -134,7 +134,28 @@ def _flags(row: TrialRow) -> str:
     return "; ".join(flags)
 
 
+def traffic_table(rows: list[TrialRow]) -> str:
+    """The trials of a traffic workload: goodput, the SLO's outcome, the tail latencies with their spread."""
+    head = ("| # | config | goodput req/s | goodput tok/s | out tok/s | SLO | TTFT p95 | ITL p95 | E2E p95 | failed "
+            "| NLL delta | mem meas GiB | feasible | notes |\n" + "|---" * 14 + "|")
+    lines = [head]
+    for r in rows:
+        t = r.result.traffic
+        if t is None:
+            lines.append(f"| {r.number} | {r.label()} |" + " - |" * 9 + f" {_gib(r.result.mem_measured)} "
+                         f"| {'yes' if r.feasible else 'no'} | {_flags(r)} |")
+            continue
+        lines.append(
+            f"| {r.number} | {r.label()} | {t.goodput_rps:.2f} | {t.goodput_tok_s:.1f} | {t.output_tok_s:.1f} "
+            f"| {t.slo_outcome} | {t.percentile_text('ttft_p95')} | {t.percentile_text('itl_p95')} "
+            f"| {t.percentile_text('e2e_p95')} | {t.failed}/{t.requests} | {_num(r.result.nll_delta, '+.4f')} "
+            f"| {_gib(r.result.mem_measured)} | {'yes' if r.feasible else 'no'} | {_flags(r)} |")
+    return "\n".join(lines)
+
+
 def trial_table(rows: list[TrialRow]) -> str:
+    if any(r.result.workload for r in rows):
+        return traffic_table(rows)
     capacity = any(r.result.capacity_tok_s is not None for r in rows)
     copy = any(r.result.single_copy_tok_s is not None for r in rows)
     extra_head = (" capacity tok/s (streams) |" if capacity else "") + (" copy-set single tok/s |" if copy else "")
@@ -255,6 +276,24 @@ def capacity_section(rows: list[TrialRow], plot_name: str) -> list[str]:
     return [*out, ""]
 
 
+def latency_section(winner: TrialRow | None) -> list[str]:
+    """On a traffic workload: the pick's latency percentiles, each with its bootstrap 5-95% range and sample
+    count, so a reader sees how far a rerun could move it."""
+    traffic = winner.result.traffic if winner is not None else None
+    if traffic is None:
+        return []
+    out = ["", f"Latency of the pick on `{traffic.workload}` ({traffic.requests} requests, {traffic.failed} failed; "
+           f"{traffic.throughput_rps:.2f} req/s served, {traffic.goodput_rps:.2f} req/s good): value [bootstrap "
+           "5-95% range] (samples)", "", "| | p50 | p95 | p99 |", "|---|---|---|---|"]
+    for metric in ("ttft", "itl", "e2e"):
+        names = [f"{metric}_p{p}" for p in (50, 95, 99)]
+        cells = [f"{traffic.percentile_text(n)} ({traffic.percentiles.get(n, (0, 0, 0, 0))[3]})" for n in names]
+        out.append(f"| {metric.upper()} | " + " | ".join(cells) + " |")
+    if traffic.errors:
+        out += ["", "Errors: " + "; ".join(traffic.errors)]
+    return out
+
+
 def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context: dict[str, Any],
              plot_name: str, capacity_plot: str | None = None, summary: str | None = None) -> str:
     """The report; `summary` (the tuner's pick line, with the confirmed figures) replaces the winner's line
@@ -271,6 +310,7 @@ def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context
     else:
         out += [f"Trial {winner.number} ({prefer} pick): `{winner.label()}`: {_num(winner.single)} tok/s single, "
                 f"{_num(winner.second)} {winner.objective.label}; {gain(winner, baseline)}."]
+    out += latency_section(winner)
     out += ["", "## Pareto front", "", trial_table(front), ""]
     out += capacity_section(rows, capacity_plot) if capacity_plot else []
     out += ["## All trials", "", trial_table(rows), "",

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from measure.replay import ReplayFigures
 
 MEM_UNKNOWN = 1e18  # the memory constraint of a trial that measured none (rejected, failed): infeasible by far
 QUALITY_UNKNOWN = 1e9
@@ -22,28 +25,85 @@ class Objective(str, Enum):
 
     aggregate = "aggregate"  # the 4-way aggregate (the mission's figure)
     capacity = "capacity"  # the best aggregate up to the config's slots with every stream over a floor
+    goodput = "goodput"  # a traffic workload's requests/s that met every latency target (measure/slo.py)
 
     @property
     def key(self) -> str:
         """The trial result's field for it (Optuna's metric name)."""
-        return f"{self.value}_tok_s"
+        return "goodput_rps" if self is Objective.goodput else f"{self.value}_tok_s"
 
     @property
     def label(self) -> str:
-        return "4-way aggregate tok/s" if self is Objective.aggregate else "capacity tok/s"
+        return {Objective.aggregate: "4-way aggregate tok/s", Objective.capacity: "capacity tok/s",
+                Objective.goodput: "goodput req/s"}[self]
+
+    @property
+    def first_label(self) -> str:
+        """The first objective: single-stream decode tok/s; on a workload, its median request's."""
+        return "median stream tok/s" if self is Objective.goodput else "single-stream tok/s"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrafficFigures:
+    """A trial's replay of a traffic workload (measure/replay.py), as plain values a study can store: goodput,
+    throughput, the SLO's outcome and the latency percentiles with their bootstrap spread."""
+
+    workload: str
+    requests: int
+    failed: int
+    goodput_rps: float
+    goodput_tok_s: float
+    throughput_rps: float
+    output_tok_s: float
+    median_stream_tok_s: float
+    slo_met: bool
+    slo_violation: float  # <= 0: met (the headroom); else the worst target's observed / bound - 1
+    slo_outcome: str  # in words: "met (60/64 requests good)", "missed: ttft_p95 2.31s > 1.50s (+54%)"
+    percentiles: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # value, low, high, n
+    errors: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, replay: ReplayFigures) -> TrafficFigures:
+        return cls(workload=replay.workload, requests=replay.requests, failed=replay.failed,
+                   goodput_rps=replay.goodput_rps, goodput_tok_s=replay.goodput_tok_s,
+                   throughput_rps=replay.throughput_rps, output_tok_s=replay.output_tok_s,
+                   median_stream_tok_s=replay.median_stream_tok_s, slo_met=replay.slo.met,
+                   slo_violation=replay.slo.violation, slo_outcome=replay.slo.describe(),
+                   percentiles={k: (s.value, s.low, s.high, s.samples) for k, s in replay.percentiles.items()},
+                   errors=replay.errors)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrafficFigures:
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in data.items() if k in names}
+        known["percentiles"] = {k: tuple(v) for k, v in (known.get("percentiles") or {}).items()}
+        known["errors"] = tuple(known.get("errors") or ())
+        return cls(**known)
+
+    def percentile_text(self, name: str) -> str:
+        """`ttft_p95` as "1.23 s [1.10-1.41]" (its bootstrap 5-95% range), or "-"."""
+        if name not in self.percentiles:
+            return "-"
+        value, low, high, _ = self.percentiles[name]
+        unit, scale = ("ms", 1000.0) if value < 1.0 else ("s", 1.0)
+        return f"{value * scale:.0f} {unit} [{low * scale:.0f}-{high * scale:.0f}]" if unit == "ms" else \
+            f"{value:.2f} s [{low:.2f}-{high:.2f}]"
 
 
 @dataclass(frozen=True, kw_only=True)
 class SpeedFigures:
-    """The speed alone (the confirmation round's re-measurements): single stream, 4-way, capacity if asked."""
+    """The speed alone (the confirmation round's re-measurements): single stream, 4-way, capacity if asked,
+    goodput on a traffic workload."""
 
     single_tok_s: float
     aggregate_tok_s: float
     capacity_tok_s: float | None = None
+    goodput_rps: float | None = None
 
     def second(self, objective: Objective) -> float:
         """The second objective's figure."""
-        value = self.capacity_tok_s if objective is Objective.capacity else self.aggregate_tok_s
+        value = {Objective.capacity: self.capacity_tok_s, Objective.goodput: self.goodput_rps}.get(
+            objective, self.aggregate_tok_s)
         return float(value or 0.0)
 
 
@@ -73,6 +133,7 @@ class Measurement:
     capacity_streams: int | None = None
     capacity_curve: tuple[CurvePoint, ...] | None = None
     single_copy_tok_s: float | None = None
+    traffic: TrafficFigures | None = None  # on a traffic workload: single / aggregate come from its replay
     sm_clock_mhz: float | None = None
     mem_clock_mhz: float | None = None
     sm_clock_max_mhz: float | None = None
@@ -112,6 +173,9 @@ class TrialResult:
     capacity_streams: int | None = None
     capacity_curve: tuple[CurvePoint, ...] | None = None
     single_copy_tok_s: float | None = None
+    workload: str = ""  # the traffic workload trials replay ("" = the fixed benchmark); set even when rejected
+    goodput_rps: float | None = None  # the traffic's goodput, at the top level: Ray Tune's metric by name
+    traffic: TrafficFigures | None = None
     ttft_ms: float | None = None
     prefill_tok_s: float | None = None
     nll: float | None = None
@@ -131,6 +195,7 @@ class TrialResult:
     shared: bool = False
     constraint_mem: float = MEM_UNKNOWN
     constraint_quality: float = QUALITY_UNKNOWN
+    constraint_slo: float = QUALITY_UNKNOWN  # on a workload: the SLO's violation (<= 0: met)
     feasible: bool = False
     reused: bool = False  # the trial actor had measured this engine config already
     answered_from: int | None = None  # the study trial whose measurement answered this proposal
@@ -141,26 +206,34 @@ class TrialResult:
         """This trial with a measurement in it."""
         m = run.measurement
         figures = {f.name: getattr(m, f.name) for f in fields(m)}
+        goodput = m.traffic.goodput_rps if m.traffic is not None else self.goodput_rps
         return replace(self, **figures, nll_delta=m.nll_delta, setup_s=run.setup_s, held_s=run.held_s,
-                       reused=reused)
+                       reused=reused, goodput_rps=goodput)
 
     def second(self, objective: Objective) -> float:
         """The second objective's figure (0 when not measured)."""
+        if objective is Objective.goodput:
+            return float(self.goodput_rps or 0.0)
         value = self.capacity_tok_s if objective is Objective.capacity else self.aggregate_tok_s
         return float(value or 0.0)
 
     def constrained(self, budget: int, max_quality_loss: float) -> TrialResult:
-        """With Optuna's constraint values (feasible when <= 0) for the memory budget and the quality margin; a
-        trial that measured nothing violates both."""
+        """With Optuna's constraint values (feasible when <= 0) for the memory budget, the quality margin and, on
+        a workload, the SLO; a trial that measured nothing violates them all."""
         mem = float(self.mem_measured - budget) if self.mem_measured is not None else MEM_UNKNOWN
         quality = float(self.nll_delta - max_quality_loss) if self.nll_delta is not None else QUALITY_UNKNOWN
-        return replace(self, constraint_mem=mem, constraint_quality=quality, feasible=mem <= 0 and quality <= 0)
+        slo = (self.traffic.slo_violation if self.traffic is not None else QUALITY_UNKNOWN) if self.workload else 0.0
+        return replace(self, constraint_mem=mem, constraint_quality=quality, constraint_slo=slo,
+                       feasible=mem <= 0 and quality <= 0 and slo <= 0)
 
     def to_attrs(self) -> dict[str, Any]:
         """Optuna user attributes (and Ray Tune's result dict): JSON values, None left out."""
         attrs = {k: v for k, v in asdict(self).items() if v is not None and k != "extra"}
         if self.capacity_curve is not None:
             attrs["capacity_curve"] = [asdict(p) for p in self.capacity_curve]
+        if self.traffic is not None:
+            attrs["traffic"] = {**asdict(self.traffic), "errors": list(self.traffic.errors),
+                                "percentiles": {k: list(v) for k, v in self.traffic.percentiles.items()}}
         return {**self.extra, **attrs}
 
     @classmethod
@@ -176,6 +249,8 @@ class TrialResult:
         known = {k: v for k, v in attrs.items() if k in names}
         if known.get("capacity_curve") is not None:
             known["capacity_curve"] = tuple(CurvePoint(**p) for p in known["capacity_curve"])
+        if isinstance(known.get("traffic"), dict):
+            known["traffic"] = TrafficFigures.from_dict(known["traffic"])
         known.setdefault("params", {})
         known.setdefault("n_ctx", 0)
         known.setdefault("mem_predicted", 0)

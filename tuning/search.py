@@ -32,6 +32,7 @@ from tuning.options import REPO_ROOT, DeviceChoice, Sampler, SearchOptions, Wher
 from tuning.confirm import Candidate, Verdict  # noqa: E402
 from tuning.report import Objective, TrialRow  # noqa: E402
 from tuning.space import SearchSpace, SpaceFunction, to_engine_config  # noqa: E402
+from tuning.workloads import UserError, least_context, traffic_plan  # noqa: E402
 
 if TYPE_CHECKING:
     from tuning.inplace import ServingApp
@@ -39,10 +40,6 @@ if TYPE_CHECKING:
 ARTICLE_CONFIG = REPO_ROOT / "configs" / "article.yaml"
 DEFAULT_OUT = SearchOptions().out
 GPU_MARGIN = 1 * GiB
-
-
-class UserError(Exception):
-    """Bad input the user can fix; printed without a traceback, exit code 2."""
 
 
 @dataclass
@@ -268,8 +265,9 @@ def run_study(*, opts: SearchOptions, settings: Any, searcher: Any, on_gpu: bool
         slots = max(gpus, 1) if on_gpu else 1
     reporter = CLIReporter(
         parameter_columns=["n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn"],
-        metric_columns={"single_tok_s": "single", "aggregate_tok_s": "4-way",
-                        **({"capacity_tok_s": "capacity"} if opts.min_stream_tok_s else {}), "feasible": "ok"},
+        metric_columns={"single_tok_s": "single", "aggregate_tok_s": "4-way" if not settings.traffic else "out tok/s",
+                        **({"capacity_tok_s": "capacity"} if opts.min_stream_tok_s else {}),
+                        **({"goodput_rps": "goodput"} if settings.traffic else {}), "feasible": "ok"},
         max_report_frequency=15,
     )
     callbacks: list[Callback] = [FirstTrialNotice(opts.trials, slots)] if app is not None else []
@@ -354,6 +352,11 @@ def pick_summary(study_name: str, winner: TrialRow, rows: list[TrialRow], confir
     else:
         single, second = winner.single, winner.second
         outcome = report.gain(winner, next((r for r in rows if r.is_baseline), None))
+    traffic = winner.result.traffic
+    if traffic is not None:
+        return (f"study {study_name}, trial {winner.number} ({opts.prefer.value} pick) on workload {traffic.workload}: "
+                f"{second:.2f} {opts.objective.label} (SLO {traffic.slo_outcome} in the search), {single:.1f} tok/s "
+                f"median stream; {outcome}")
     return (f"study {study_name}, trial {winner.number} ({opts.prefer.value} pick): {single:.1f} tok/s single, "
             f"{second:.1f} {opts.objective.label}; {outcome}")
 
@@ -422,7 +425,7 @@ def confirm_pick(opts: SearchOptions, rows: list[TrialRow], winner: TrialRow, ba
     print(f"confirmation: {len(candidates)} candidates x {opts.confirm_rounds} rounds, interleaved")
     with confirmation_measure(app=app, workload=settings.workload, on_gpu=settings.on_gpu, study=study_name,
                               total_trials=opts.trials + opts.confirm_rounds * len(candidates),
-                              objective=opts.objective) as measure:
+                              objective=opts.objective, traffic=settings.traffic) as measure:
         confirmed = confirm.confirm(candidates, reference, opts.confirm_rounds, measure, progress=print)
     verdict = confirm.decide(confirmed, opts.prefer)
     noise = " (within noise)" if verdict.within_noise else ""
@@ -434,7 +437,8 @@ def confirm_pick(opts: SearchOptions, rows: list[TrialRow], winner: TrialRow, ba
 
 @contextlib.contextmanager
 def confirmation_measure(*, app: ServingApp | None, workload: Workload, on_gpu: bool, study: str,
-                         total_trials: int, objective: Objective) -> Iterator[Callable[[EngineConfig], Any]]:
+                         total_trials: int, objective: Objective, traffic: Any = None
+                         ) -> Iterator[Callable[[EngineConfig], Any]]:
     """`config -> Figures` for the confirmation round: on a serving replica in place, else on one engine of
     our own in a Ray actor (one more weight load)."""
     import itertools
@@ -461,7 +465,8 @@ def confirmation_measure(*, app: ServingApp | None, workload: Workload, on_gpu: 
     resources = {"num_gpus": 1, "num_cpus": 1} if on_gpu else {"num_cpus": 1}
     actor: Any = ray.remote(ConfirmEngine).options(**resources).remote()
     try:
-        yield lambda config: figures(ray.get(actor.measure.remote(config, SpeedMeasure(workload, next(requests)))))
+        yield lambda config: figures(ray.get(actor.measure.remote(config, SpeedMeasure(workload, next(requests),
+                                                                                     traffic))))
     finally:
         ray.get(actor.close.remote())
         ray.kill(actor)
@@ -475,6 +480,7 @@ def run(opts: SearchOptions, session: Session) -> int:
         base_config(opts)  # a bad --model is reported before any Ray starts
     total, free = start_ray(opts, session)
     app = session.app = serving_app(opts)
+    opts, traffic = traffic_plan(opts, app)
     # in place, the replicas' own model and settings are the study's base (--model and --base-config unused)
     base = app.serving if app is not None else base_config(opts)
     try:
@@ -485,7 +491,7 @@ def run(opts: SearchOptions, session: Session) -> int:
     if SpecMode.draft in space.spec_mode and base.draft_model is None:
         raise UserError("the search space lists spec_mode draft, but the base config has no draft_model: set it "
                         "(a GGUF sharing the model's vocabulary) or drop draft from the space")
-    min_ctx = opts.min_ctx_per_slot or min(2048, shape.n_ctx_train or 2048)
+    min_ctx = least_context(opts, shape, traffic)
     try:
         contexts = space.contexts(min_ctx)
     except ValueError as exc:
@@ -496,7 +502,9 @@ def run(opts: SearchOptions, session: Session) -> int:
     n_layers = layer_search(shape, base, budget, on_gpu, space, contexts[0])
     # in place measures other conditions (live replicas, the whole device's memory): a study of its own
     where = "-inplace" if app is not None else ""
-    study_name = opts.study_name or f"{base.model_path.stem}-{'gpu' if on_gpu else 'cpu'}-{budget // 2**20}MiB{where}"
+    on = f"-{traffic.workload.name}" if traffic is not None else ""
+    study_name = opts.study_name or (f"{base.model_path.stem}-{'gpu' if on_gpu else 'cpu'}-{budget // 2**20}MiB"
+                                     f"{on}{where}")
     storage = open_storage(opts)
     baseline = article_point(base, space, contexts) if not _study_has_trials(storage, study_name) else None
 
@@ -505,7 +513,7 @@ def run(opts: SearchOptions, session: Session) -> int:
     workload = Workload(gen_tokens=opts.gen_tokens, repeats=opts.repeats, prompt_set=opts.workload_prompt_set,
                         report_copy=opts.prompt_set == "both", min_stream_tok_s=opts.min_stream_tok_s)
     settings = TrialSettings(base=base, shape=shape, budget_bytes=budget, on_gpu=on_gpu, workload=workload,
-                             max_quality_loss=opts.max_quality_loss)
+                             max_quality_loss=opts.max_quality_loss, traffic=traffic)
     searcher = make_searcher(opts, space, contexts, n_layers, baseline, storage, study_name, base)
     print(plan_line(opts, base, app, on_gpu, total, budget, min_ctx), flush=True)
     wall = run_study(opts=opts, settings=settings, searcher=searcher, on_gpu=on_gpu, gpus=total,
@@ -514,7 +522,9 @@ def run(opts: SearchOptions, session: Session) -> int:
                "trials ran": f"in place, on app {app.name!r}" if app else "offline (engines of the tuner's own)",
                "budget": f"{budget / GiB:.2f} GiB", "min context per slot": min_ctx,
                "max quality loss": f"{opts.max_quality_loss} nats/token", "sampler": opts.sampler.value,
-               "prompt set": opts.prompt_set, "objectives": f"single stream, {opts.objective.label}",
+               **({"workload": traffic.workload.describe(), "SLO": str(opts.slo or "none")} if traffic else
+                  {"prompt set": opts.prompt_set}),
+               "objectives": f"{opts.objective.first_label}, {opts.objective.label}",
                **({"capacity floor": f"{opts.min_stream_tok_s} tok/s per stream"} if opts.min_stream_tok_s else {}),
                "study": study_name, "this run": f"{opts.trials} trials in {wall:.0f} s"}
     return finish(opts=opts, session=session, storage=storage, study_name=study_name, base=base, context=context,

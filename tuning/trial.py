@@ -24,6 +24,7 @@ from tuning.memory import ModelShape, predict
 from tuning.objective import Runner, SpeedMeasure, Workload, measure_engine
 from tuning.results import MeasuredRun, SpeedFigures, TrialResult
 from tuning.space import to_engine_config
+from tuning.workloads import TrafficPlan
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class TrialSettings:
     on_gpu: bool
     workload: Workload
     max_quality_loss: float
+    traffic: TrafficPlan | None = None  # a traffic workload to replay instead of the fixed benchmark
 
 
 class ConfigTrial(tune.Trainable):
@@ -62,7 +64,9 @@ class ConfigTrial(tune.Trainable):
         predicted = predict(s.shape, config, s.on_gpu)
         result = TrialResult(params=dict(self.config), n_ctx=config.n_ctx, mem_predicted=predicted.total,
                              mem_budget=s.budget_bytes, actor=self.actor,
-                             capacity_tok_s=0.0 if s.workload.min_stream_tok_s is not None else None)
+                             capacity_tok_s=0.0 if s.workload.min_stream_tok_s is not None else None,
+                             workload=s.traffic.workload.name if s.traffic is not None else "",
+                             goodput_rps=0.0 if s.traffic is not None else None)
         if predicted.total > s.budget_bytes:
             result = replace(result, rejected="predicted memory over budget")
         elif config in self.measured:  # different parameters, same engine (e.g. n_ubatch clamped): no re-run
@@ -105,7 +109,7 @@ class EngineTrial(ConfigTrial):
         else:
             self.engine.reconfigure(config)
         rebuild_s = time.perf_counter() - t0
-        measured = measure_engine(self.engine, self.runner, self.probe, self.baseline_nll)
+        measured = measure_engine(self.engine, self.runner, self.probe, self.baseline_nll, self.settings.traffic)
         self.baseline_nll = measured.nll_baseline
         return MeasuredRun(measurement=measured, setup_s=rebuild_s)
 
