@@ -103,3 +103,21 @@ def test_a_traffic_trial_that_met_its_slo_is_feasible_and_one_never_measured_is_
     assert not rejected.feasible and rejected.constraint_slo >= 1e8
     benchmark = replace(proposed, workload="").measured(MeasuredRun(measurement=MEASURED)).constrained(budget, 0.05)
     assert benchmark.constraint_slo == 0.0 and benchmark.feasible, "no workload: no SLO to miss"
+
+
+def test_a_searcher_gets_tunes_dict_flattened_and_the_record_comes_back_whole() -> None:
+    """Ray Tune hands a searcher the result flattened (`traffic/goodput_rps`, `params/n_parallel`), as its
+    flatten_dict does: the record is nested again, the replay's figures included."""
+    def flatten(d: dict, prefix: str = "") -> dict:
+        out: dict = {}
+        for key, value in d.items():
+            if isinstance(value, dict) and value:
+                out.update(flatten(value, f"{prefix}{key}/"))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    result = _traffic_trial()
+    flat = flatten({**result.to_attrs(), "done": True})
+    assert "traffic/percentiles/ttft_p95" in flat and "params/n_parallel" in flat
+    assert TrialResult.from_tune(flat) == result

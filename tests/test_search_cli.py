@@ -214,3 +214,34 @@ def test_every_slot_holds_the_workloads_largest_request() -> None:
     assert least_context(parse_options(["--min-ctx-per-slot", "1024"]), shape, plan) == 1024  # type: ignore[arg-type]
     with pytest.raises(UserError, match="training context"):
         least_context(parse_options([]), SimpleNamespace(n_ctx_train=4096), plan)  # type: ignore[arg-type]
+
+
+def _traffic_row(number: int, goodput: float, violation: float) -> TrialRow:
+    from tuning.results import TrafficFigures
+
+    figures = TrafficFigures(workload="rag", requests=24, failed=0, goodput_rps=goodput, goodput_tok_s=goodput * 80,
+                             throughput_rps=0.5, output_tok_s=40.0, median_stream_tok_s=30.0,
+                             slo_met=violation <= 0, slo_violation=violation,
+                             slo_outcome="met (24/24 requests good)" if violation <= 0 else
+                             f"missed: ttft_p95 {3 * (1 + violation):.2f}s > 3.00s (+{100 * violation:.0f}%)",
+                             percentiles={"ttft_p95": (3.0 * (1 + violation), 2.5, 3.5, 24)})
+    params = {"n_parallel": 2, "n_batch": 512, "n_ubatch": 512, "ctx_per_slot": 8192, "type_k": "q8_0",
+              "type_v": "q8_0", "flash_attn": "on"}
+    result = TrialResult(params=params, n_ctx=16384, mem_predicted=1, mem_budget=2, workload="rag",
+                         goodput_rps=goodput, traffic=figures, single_tok_s=30.0, mem_measured=1, nll=1.0,
+                         nll_baseline=1.0, nll_delta=0.0)
+    return TrialRow(number, result.constrained(2, 0.01), Objective.goodput)
+
+
+def test_a_traffic_report_shows_goodput_the_slo_and_who_came_closest() -> None:
+    from tuning import report
+
+    missed = [_traffic_row(0, 0.1, 0.8), _traffic_row(1, 0.2, 0.3)]
+    text = report.markdown(missed, None, "aggregate", {}, "pareto.png")
+    assert "No trial met the SLO" in text and "Closest: trial 1" in text and "(+30%)" in text
+    assert text.count("| goodput req/s |") == 2, "both tables are the traffic table, the empty front's too"
+    rows = [*missed, _traffic_row(2, 0.4, -0.1)]
+    winner = report.pick(rows, "aggregate")
+    assert winner is not None and winner.number == 2, "the only one within the SLO"
+    text = report.markdown(rows, winner, "aggregate", {}, "pareto.png")
+    assert "Latency of the pick on `rag`" in text and "| TTFT | " in text and "2.70 s [2.50-3.50] (24)" in text

@@ -153,8 +153,10 @@ def traffic_table(rows: list[TrialRow]) -> str:
     return "\n".join(lines)
 
 
-def trial_table(rows: list[TrialRow]) -> str:
-    if any(r.result.workload for r in rows):
+def trial_table(rows: list[TrialRow], traffic: bool | None = None) -> str:
+    """The table of `rows`; a traffic study's (`traffic`, else whether a row replayed a workload) has goodput,
+    the SLO and latency columns."""
+    if traffic if traffic is not None else any(r.result.workload for r in rows):
         return traffic_table(rows)
     capacity = any(r.result.capacity_tok_s is not None for r in rows)
     copy = any(r.result.single_copy_tok_s is not None for r in rows)
@@ -276,6 +278,19 @@ def capacity_section(rows: list[TrialRow], plot_name: str) -> list[str]:
     return [*out, ""]
 
 
+def no_pick(rows: list[TrialRow]) -> str:
+    """Why there is no pick, in one sentence; on a traffic workload, the trial that came closest to its SLO."""
+    measured = [r for r in rows if r.result.traffic is not None and r.result.constraint_mem <= 0
+                and r.result.constraint_quality <= 0]
+    if not measured:
+        return "No feasible trial: widen the space or the budget."
+    closest = min(measured, key=lambda r: r.result.constraint_slo)
+    traffic = closest.result.traffic
+    outcome = traffic.slo_outcome if traffic is not None else ""
+    return (f"No trial met the SLO: widen the space or relax the targets. Closest: trial {closest.number} "
+            f"(`{closest.label()}`), {outcome}.")
+
+
 def latency_section(winner: TrialRow | None) -> list[str]:
     """On a traffic workload: the pick's latency percentiles, each with its bootstrap 5-95% range and sample
     count, so a reader sees how far a rerun could move it."""
@@ -303,17 +318,18 @@ def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context
     out = ["# Tuning report", ""]
     out += [f"- {k}: {v}" for k, v in context.items()]
     out += ["", f"![Pareto front]({plot_name})", "", "## Winner", ""]
+    traffic = any(r.result.workload for r in rows)
     if winner is None:
-        out.append("No feasible trial: widen the space or the budget.")
+        out.append(no_pick(rows))
     elif summary:
         out.append(f"`{winner.label()}`: {summary}.")
     else:
         out += [f"Trial {winner.number} ({prefer} pick): `{winner.label()}`: {_num(winner.single)} tok/s single, "
                 f"{_num(winner.second)} {winner.objective.label}; {gain(winner, baseline)}."]
     out += latency_section(winner)
-    out += ["", "## Pareto front", "", trial_table(front), ""]
+    out += ["", "## Pareto front", "", trial_table(front, traffic), ""]
     out += capacity_section(rows, capacity_plot) if capacity_plot else []
-    out += ["## All trials", "", trial_table(rows), "",
+    out += ["## All trials", "", trial_table(rows, traffic), "",
             "Quality: NLL delta is the mean negative log-likelihood (nats/token) of tuning/data/quality.txt "
             "under the trial's config minus the same with an f16 K/V cache; trials above "
             "--max-quality-loss are infeasible. Memory: predicted from the GGUF header before loading; "

@@ -238,8 +238,9 @@ class TrialResult:
 
     @classmethod
     def from_tune(cls, result: dict[str, Any]) -> TrialResult:
-        """The record a trial sent through Ray Tune (its own keys; Tune's bookkeeping dropped)."""
-        record = cls.from_attrs(result)
+        """The record a trial sent through Ray Tune (its own keys; Tune's bookkeeping dropped). A searcher
+        gets the dict flattened (`traffic/goodput_rps`): nested again first."""
+        record = cls.from_attrs(_nested(result))
         return replace(record, extra={})
 
     @classmethod
@@ -256,3 +257,15 @@ class TrialResult:
         known.setdefault("mem_predicted", 0)
         known.setdefault("mem_budget", 0)
         return cls(**known, extra={k: v for k, v in attrs.items() if k not in names})
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """Ray Tune's flattened keys (`a/b/c`) as nested dicts again; other keys as they are."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split("/")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out

@@ -319,7 +319,7 @@ def finish(*, opts: SearchOptions, session: Session, storage: Any, study_name: s
     (out_dir / "report.md").write_text(text)
     print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
     if winner is None or summary is None:
-        print("no feasible trial: nothing written; widen the space or the budget", file=sys.stderr)
+        print(f"{report.no_pick(rows)} Nothing written.", file=sys.stderr)
         return 1
     tuned = to_engine_config(winner.params, base)
     write_config(opts.out, tuned, header=summary)
