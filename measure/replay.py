@@ -120,6 +120,22 @@ class TrafficWorkload:
     def max_choices(self) -> int:
         return max(r.n for r in self.requests)
 
+    def lengths_scaled(self, factor: float) -> TrafficWorkload:
+        """Every prompt, shared prefix and output `factor` times as long (at least one token each): the same
+        mix of shapes at a size a small machine replays in minutes. The name says so (`rag@0.25`)."""
+        if factor == 1.0:
+            return self
+        if not factor > 0:
+            raise ValueError(f"a length scale must be above 0, not {factor}")
+
+        def scaled(r: ReplayRequest) -> ReplayRequest:
+            prompt = max(1, round(r.prompt_tokens * factor))
+            return replace(r, prompt_tokens=prompt, prefix_tokens=min(round(r.prefix_tokens * factor), prompt),
+                           output_tokens=max(r.n, round(r.output_tokens * factor)))
+
+        return replace(self, name=f"{self.name}@{factor:g}", source=f"{self.source}; lengths x{factor:g}",
+                       requests=tuple(scaled(r) for r in self.requests))
+
     def taking(self, count: int) -> TrafficWorkload:
         """Its first `count` requests (all of them when it holds fewer)."""
         return replace(self, requests=self.requests[:count])

@@ -154,6 +154,9 @@ def parser() -> argparse.ArgumentParser:
     pacing.add_argument("--rate-scale", type=positive_float, metavar="X",
                         help="open loop at a file's recorded arrival times divided by X (2: twice as fast; 1: as "
                              "recorded); only for workloads with recorded arrivals")
+    p.add_argument("--length-scale", type=positive_float, default=1.0, metavar="X",
+                   help="every prompt, shared prefix and output X times as long (the tuner's --length-scale: a "
+                        "small machine's quick run keeps each workload's mix) (default 1)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the built-in workloads' draws and of --rate's arrival times (default 0)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="PATH",
@@ -219,8 +222,8 @@ def pace(workload: TrafficWorkload, concurrency: int | None, rate: float | None,
 
 
 def load_workloads(args: argparse.Namespace) -> list[TrafficWorkload]:
-    workloads = [pace(resolve_workload(w, args.requests, args.seed), args.concurrency, args.rate, args.rate_scale,
-                      args.seed) for w in args.workload]
+    workloads = [pace(resolve_workload(w, args.requests, args.seed).lengths_scaled(args.length_scale),
+                      args.concurrency, args.rate, args.rate_scale, args.seed) for w in args.workload]
     names = [w.name for w in workloads]
     if duplicated := sorted({n for n in names if names.count(n) > 1}):
         raise SystemExit(f"error: --workload: the name(s) {', '.join(duplicated)} are given twice (a file is named "

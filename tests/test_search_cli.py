@@ -156,7 +156,7 @@ def test_a_workload_makes_goodput_the_objective_and_its_best_the_pick() -> None:
     (["--offline", "--slo", "ttft_p95=1s"], "--slo offline needs --workload"),
     (["--offline", "--workload", "live"], "needs the app"),
     (["--workload", "no-such-file.jsonl"], "not live, chat, rag, agent, or an existing file"),
-    (["--workload", "chat", "--rate", "0"], "--rate and --rate-scale must be above 0"),
+    (["--workload", "chat", "--rate", "0"], "--rate, --rate-scale and --length-scale must be above 0"),
 ], ids=["percentile", "objective", "goodput-alone", "slo-offline", "live-offline", "file", "rate"])
 def test_traffic_flags_that_do_not_fit_are_usage_errors(argv: list[str], message: str,
                                                         capsys: pytest.CaptureFixture) -> None:
@@ -201,6 +201,9 @@ def test_offline_a_built_in_workload_is_replayed_closed_loop_or_at_a_rate() -> N
     _, poisson = traffic_plan(parse_options(["--workload", "chat", "--rate", "3", "--requests", "200"]), None)
     assert poisson is not None and poisson.workload.arrivals is Arrivals.open
     assert poisson.workload.rate_per_s == pytest.approx(3.0, rel=0.2)
+    _, small = traffic_plan(parse_options(["--workload", "rag", "--requests", "10", "--length-scale", "0.25"]), None)
+    assert small is not None and small.workload.name == "rag@0.25"
+    assert all(500 <= r.prompt_tokens <= 1500 and r.prefix_tokens == 50 for r in small.workload.requests)
     nothing_opts, nothing = traffic_plan(parse_options([]), None)
     assert nothing is None and nothing_opts.workload is None
 

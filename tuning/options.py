@@ -76,6 +76,7 @@ class SearchOptions:
     concurrency: int = DEFAULT_CONCURRENCY
     rate: float | None = None
     rate_scale: float = 1.0
+    length_scale: float = 1.0
     objective_choice: Objective | None = None  # as given; `objective` says what applies
     prefer_choice: Prefer | None = None
     confirm_rounds: int = 3
@@ -197,6 +198,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="open loop instead: Poisson arrivals at this many requests/s")
     traffic.add_argument("--rate-scale", type=float, default=d.rate_scale,
                          help="open loop at recorded arrival times (live, files with arrivals): their rate times this")
+    traffic.add_argument("--length-scale", type=float, default=d.length_scale,
+                         help="every prompt, shared prefix and output this many times as long: the workload's mix "
+                              "at a size a small machine replays quickly (0.25: rag's 2-6k-token prompts become "
+                              "0.5-1.5k)")
 
     pick = p.add_argument_group("how the pick is made")
     pick.add_argument("--objective", choices=[o.value for o in Objective],
@@ -253,7 +258,7 @@ def parse_options(argv: list[str] | None = None) -> SearchOptions:
         vram_budget=ns.vram_budget, min_ctx_per_slot=ns.min_ctx_per_slot, device=DeviceChoice(ns.device),
         gen_tokens=ns.gen_tokens, repeats=ns.repeats, prompt_set=ns.prompt_set, min_stream_tok_s=ns.min_stream_tok_s,
         max_quality_loss=ns.max_quality_loss, workload=ns.workload, slo=slo, requests=ns.requests,
-        concurrency=ns.concurrency, rate=ns.rate, rate_scale=ns.rate_scale,
+        concurrency=ns.concurrency, rate=ns.rate, rate_scale=ns.rate_scale, length_scale=ns.length_scale,
         objective_choice=Objective(ns.objective) if ns.objective else None,
         prefer_choice=Prefer(ns.prefer) if ns.prefer else None,
         confirm_rounds=ns.confirm_rounds, confirm_top=ns.confirm_top, sampler=Sampler(ns.sampler), seed=ns.seed,
@@ -278,8 +283,8 @@ def _check_traffic(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         p.error("--requests must be at least 1")
     if ns.concurrency < 1:
         p.error("--concurrency must be at least 1")
-    if (ns.rate is not None and not ns.rate > 0) or not ns.rate_scale > 0:
-        p.error("--rate and --rate-scale must be above 0")
+    if (ns.rate is not None and not ns.rate > 0) or not ns.rate_scale > 0 or not ns.length_scale > 0:
+        p.error("--rate, --rate-scale and --length-scale must be above 0")
     if ns.workload == LIVE and ns.where is Where.offline:
         p.error("--workload live replays the serving app's traffic: it needs the app (drop --offline)")
     if ns.slo and not ns.workload and ns.where is Where.offline:

@@ -85,6 +85,7 @@ def traffic_plan(opts: SearchOptions, app: ServingApp | None, recorded: Callable
             workload = load_file(Path(name)).taking(opts.replay_requests)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+    workload = workload.lengths_scaled(opts.length_scale)
     if opts.rate is not None:
         workload = workload.paced(Arrivals.open, rate_per_s=opts.rate, seed=opts.seed)
     elif workload.arrivals is Arrivals.open:
