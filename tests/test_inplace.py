@@ -36,7 +36,7 @@ def _args(tmp_path: Path, study: str, trials: int, *where: str) -> list[str]:
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
     return ["--trials", str(trials), *where, "--app-name", "llama", "--space", str(tmp_path / "space.yaml"),
             "--results-dir", str(tmp_path), "--out", str(tmp_path / "tuned.yaml"), "--study-name", study,
-            "--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "1024"]
+            "--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "1024", "--workload", "benchmark"]
 
 
 class StreamingClient:
@@ -106,6 +106,38 @@ def test_an_in_place_study_runs_on_the_replica_and_applies_its_pick(serve_url: s
     after = _slots(serve_url)
     assert after["weight_loads"] == loads and after["tuning"] is None
     assert EngineConfig(**after["config"]) == load_engine_config(tmp_path / "tuned.yaml"), "the pick serves"
+
+
+@pytest.mark.timeout(600)
+def test_in_place_the_study_replays_the_recorded_traffic_within_the_slo(serve_url: str, restored: EngineConfig,
+                                                                       tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """No --workload: the app has recorded enough requests, so the trials replay them (open loop at their
+    recorded pace) and the second objective is goodput under the SLO; a client streams throughout."""
+    import optuna
+
+    from tuning.search import main
+
+    with httpx.Client(timeout=120) as http:  # the latest recorded requests: short ones, sent two at a time
+        for i in range(0, 40, 2):
+            for body in ({"prompt": f"Count {i}:", "max_tokens": 6}, {"prompt": f"Say {i + 1}", "max_tokens": 3}):
+                assert http.post(f"{serve_url}/v1/completions", json=body).status_code == 200
+    loads = _slots(serve_url)["weight_loads"]
+    args = [arg for arg in _args(tmp_path, "live", 2) if arg not in ("--workload", "benchmark")]
+    with StreamingClient(serve_url) as client:
+        assert main([*args, "--slo", "ttft_p95=60s,itl_p95=5s", "--requests", "12", "--confirm-rounds", "0"]) == 0
+    assert client.failures == [] and client.ok > 0
+    out = capsys.readouterr().out
+    assert "workload: live (live: the last 12 of " in out and "recorded by 1 replica(s))" in out, out[-3000:]
+    trials = optuna.load_study(study_name="live", storage=f"sqlite:///{tmp_path / 'optuna.db'}").trials
+    assert len(trials) == 2 and all(t.state.name == "COMPLETE" for t in trials)
+    for trial in trials:
+        attrs = trial.user_attrs
+        assert attrs["workload"] == "live" and attrs["weight_loads"] == loads, attrs
+        assert attrs["traffic"]["requests"] == 12 and attrs["traffic"]["failed"] == 0, attrs["traffic"]
+        assert attrs["goodput_rps"] > 0 and attrs["traffic"]["slo_met"], attrs["traffic"]
+    assert "goodput req/s" in (tmp_path / "live" / "report.md").read_text()
+    assert _slots(serve_url)["weight_loads"] == loads
 
 
 @pytest.mark.timeout(300)

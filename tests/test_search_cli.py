@@ -155,9 +155,10 @@ def test_a_workload_makes_goodput_the_objective_and_its_best_the_pick() -> None:
     (["--objective", "goodput"], "--objective goodput needs --workload"),
     (["--offline", "--slo", "ttft_p95=1s"], "--slo offline needs --workload"),
     (["--offline", "--workload", "live"], "needs the app"),
-    (["--workload", "no-such-file.jsonl"], "not live, chat, rag, agent, or an existing file"),
+    (["--workload", "no-such-file.jsonl"], "not live, chat, rag, agent, benchmark, or an existing file"),
+    (["--workload", "benchmark", "--slo", "ttft_p95=1s"], "--slo needs a traffic workload"),
     (["--workload", "chat", "--rate", "0"], "--rate, --rate-scale and --length-scale must be above 0"),
-], ids=["percentile", "objective", "goodput-alone", "slo-offline", "live-offline", "file", "rate"])
+], ids=["percentile", "objective", "goodput-alone", "slo-offline", "live-offline", "file", "bench-slo", "rate"])
 def test_traffic_flags_that_do_not_fit_are_usage_errors(argv: list[str], message: str,
                                                         capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as info:
@@ -185,6 +186,8 @@ def test_in_place_the_recorded_traffic_is_the_workload_once_there_is_enough(caps
     assert len(workload.requests) == 40 and workload.arrivals is Arrivals.open, "the latest 40, at their times"
     assert workload.requests[0].prompt_tokens == 110 and workload.rate_per_s == pytest.approx(2.0)
     assert "workload: live" in capsys.readouterr().out
+    fixed_opts, fixed = traffic_plan(parse_options(["--workload", "benchmark"]), APP, _recorded(50))
+    assert fixed is None and fixed_opts.objective is Objective.aggregate, "the fixed benchmark when asked for"
     few_opts, none = traffic_plan(parse_options([]), APP, _recorded(5))
     assert none is None and few_opts.objective is Objective.aggregate
     assert "recorded 5 client requests" in capsys.readouterr().out

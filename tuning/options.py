@@ -19,6 +19,7 @@ from tuning.report import Objective
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LIVE = "live"  # --workload live: the serving app's recorded traffic
+BENCHMARK = "benchmark"  # --workload benchmark: the fixed benchmark even where recorded traffic would be the default
 LIVE_MIN_REQUESTS = 32  # in place, the recorded traffic is the default workload once it holds this many
 
 
@@ -70,7 +71,7 @@ class SearchOptions:
     prompt_set: str = PromptSet.plain.value  # a PromptSet's value, or "both"
     min_stream_tok_s: float | None = None
     max_quality_loss: float = 0.01
-    workload: str | None = None  # LIVE, a Builtin's value, or a JSONL file's path; None: the fixed benchmark
+    workload: str | None = None  # LIVE, a Builtin's value, a JSONL file's path, BENCHMARK; None: as the app allows
     slo: Slo | None = None
     requests: int | None = None  # None: DEFAULT_REQUESTS, or more where the SLO's percentiles need them
     concurrency: int = DEFAULT_CONCURRENCY
@@ -94,7 +95,12 @@ class SearchOptions:
         """The second objective: as given, else goodput on a traffic workload, else the 4-way aggregate."""
         if self.objective_choice is not None:
             return self.objective_choice
-        return Objective.goodput if self.workload is not None else Objective.aggregate
+        return Objective.goodput if self.traffic else Objective.aggregate
+
+    @property
+    def traffic(self) -> bool:
+        """Trials replay a traffic workload (known once the tuner has settled --workload)."""
+        return self.workload not in (None, BENCHMARK)
 
     @property
     def prefer(self) -> Prefer:
@@ -179,9 +185,10 @@ def _parser() -> argparse.ArgumentParser:
                             "also measures its capacity curve: 1, 2, 4, ... streams up to its slots")
 
     traffic = p.add_argument_group("the traffic each trial serves (instead of the fixed benchmark above)")
-    traffic.add_argument("--workload", metavar="live|chat|rag|agent|FILE",
+    traffic.add_argument("--workload", metavar="live|chat|rag|agent|FILE|benchmark",
                          help="live: the serving app's recorded traffic (GET /traffic; in place the default once "
-                              f"it holds {LIVE_MIN_REQUESTS} requests); chat, rag, agent: built in; FILE: JSONL of "
+                              f"it holds {LIVE_MIN_REQUESTS} requests); chat, rag, agent: built in; benchmark: the "
+                              "fixed benchmark above, in place too; FILE: JSONL of "
                               "request shapes (prompt_tokens, output_tokens, optional arrival, cached_tokens, n, "
                               "kind: the lines of /traffic's recent.requests). The second objective becomes goodput")
     traffic.add_argument("--slo", metavar="TARGETS",
@@ -248,9 +255,11 @@ def parse_options(argv: list[str] | None = None) -> SearchOptions:
         p.error("--confirm-rounds must be >= 0 and --confirm-top >= 1")
     slo = _slo(p, ns.slo)
     _check_traffic(p, ns)
-    if ns.objective == Objective.goodput.value and not (ns.workload or slo):
+    if ns.workload == BENCHMARK and slo:
+        p.error("--slo needs a traffic workload, not --workload benchmark")
+    if ns.objective == Objective.goodput.value and ns.workload in (None, BENCHMARK) and not slo:
         p.error("--objective goodput needs --workload (or, in place, --slo: the recorded traffic)")
-    if ns.workload and ns.objective in (Objective.aggregate.value, Objective.capacity.value):
+    if ns.workload not in (None, BENCHMARK) and ns.objective in (Objective.aggregate.value, Objective.capacity.value):
         p.error(f"--objective {ns.objective} is the fixed benchmark's; on a --workload the objective is goodput")
     return SearchOptions(
         trials=ns.trials, where=ns.where or Where.auto, app_name=ns.app_name, ray_address=ns.ray_address,
@@ -276,9 +285,10 @@ def _slo(p: argparse.ArgumentParser, text: str | None) -> Slo | None:
 
 def _check_traffic(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """The traffic flags make sense together (the workload file itself is read when the study starts)."""
-    named = ns.workload in (None, LIVE, *(b.value for b in Builtin))
+    named = ns.workload in (None, LIVE, BENCHMARK, *(b.value for b in Builtin))
     if not named and not Path(ns.workload).is_file():
-        p.error(f"--workload {ns.workload!r}: not live, {', '.join(b.value for b in Builtin)}, or an existing file")
+        p.error(f"--workload {ns.workload!r}: not live, {', '.join(b.value for b in Builtin)}, benchmark, or an "
+                "existing file")
     if ns.requests is not None and ns.requests < 1:
         p.error("--requests must be at least 1")
     if ns.concurrency < 1:

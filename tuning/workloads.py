@@ -20,7 +20,7 @@ from measure.slo import Slo
 from measure.targets import EngineTarget
 from measure.workload import source_text
 from tuning.memory import ModelShape
-from tuning.options import LIVE, LIVE_MIN_REQUESTS, SearchOptions
+from tuning.options import BENCHMARK, LIVE, LIVE_MIN_REQUESTS, SearchOptions
 from tuning.results import TrafficFigures
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ def traffic_plan(opts: SearchOptions, app: ServingApp | None, recorded: Callable
     and the TrafficPlan trials replay, or None for the fixed benchmark; a line saying which is printed.
     `recorded` reads an app's merged traffic (default: tuning.inplace.recorded_traffic)."""
     name = opts.workload
+    if name == BENCHMARK:
+        return opts, None
     summary = None
     if app is not None and name in (None, LIVE):
         if recorded is None:
@@ -76,9 +78,9 @@ def traffic_plan(opts: SearchOptions, app: ServingApp | None, recorded: Callable
         return opts, None
     try:
         if summary is not None:
-            workload = from_shapes(summary.recent, LIVE, f"live: the last {len(summary.recent)} requests "
+            recent = summary.recent[-opts.replay_requests:]
+            workload = from_shapes(recent, LIVE, f"live: the last {len(recent)} of {len(summary.recent)} requests "
                                    f"recorded by {len(summary.replicas)} replica(s)")
-            workload = replace(workload, requests=workload.requests[-opts.replay_requests:])
         elif name in {b.value for b in Builtin}:
             workload = builtin(Builtin(name), opts.replay_requests, opts.seed)
         else:
