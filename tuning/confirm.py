@@ -72,7 +72,7 @@ def confirm(candidates: list[Candidate], reference: int, rounds: int,
         for i in rotation(r, len(candidates)):
             figures[i] = measure(candidates[i].config)
             progress(f"confirmation round {r + 1}/{rounds}: trial {candidates[i].number}: "
-                     f"{figures[i].single:.1f} tok/s single, {figures[i].second:.1f} second objective")
+                     f"{figures[i].single:.1f} tok/s single, {figures[i].second:.3g} second objective")
         ref = figures[reference]
         for i, result in enumerate(results):
             result.single.append(figures[i].single)
