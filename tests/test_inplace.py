@@ -158,6 +158,30 @@ def test_the_confirmation_round_measures_on_the_replica(serve_url: str, restored
     assert client.failures == [] and _slots(serve_url)["weight_loads"] == loads
 
 
+@pytest.mark.timeout(300)
+def test_on_a_workload_the_confirmation_round_replays_it_on_the_replica(serve_url: str,
+                                                                       restored: EngineConfig) -> None:
+    """The confirmation round of a traffic study measures goodput by replaying the workload there too."""
+    from measure.replay import ReplayRequest, TrafficWorkload
+    from measure.slo import Slo
+    from tuning.inplace import ServingApp
+    from tuning.objective import Workload
+    from tuning.report import Objective
+    from tuning.search import confirmation_measure
+    from tuning.workloads import TrafficPlan
+
+    loads = _slots(serve_url)["weight_loads"]
+    shapes = TrafficWorkload("tiny", "test", tuple(ReplayRequest(prompt_tokens=20 + i, output_tokens=4, prefix_tokens=8)
+                                                   for i in range(6)), concurrency=2)
+    plan = TrafficPlan(shapes, Slo.parse("e2e_p95=60s"))
+    with confirmation_measure(app=ServingApp("llama", 1, restored), workload=Workload(gen_tokens=8, repeats=1),
+                              on_gpu=False, study="confirming-traffic", total_trials=2, objective=Objective.goodput,
+                              traffic=plan) as measure:
+        speed = measure(restored.model_copy(update={"n_parallel": 2, "n_ctx": 2048}))
+    assert speed.single > 0 and speed.second > 0, "goodput measured by the replay, not left at 0"
+    assert _slots(serve_url)["weight_loads"] == loads
+
+
 # `python -m tuning.search` whose own interpreter gives SIGINT its default action, whatever this process passes
 # on (a shell's background job passes SIGINT ignored, and the study then ran to its end). Not a preexec_fn: with
 # one, Popen fork()s a copy of this process (a Ray driver: Ray's failure-signal handler and its SIGTERM handler

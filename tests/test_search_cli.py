@@ -251,3 +251,17 @@ def test_a_traffic_report_shows_goodput_the_slo_and_who_came_closest() -> None:
     assert winner is not None and winner.number == 2, "the only one within the SLO"
     text = report.markdown(rows, winner, "aggregate", {}, "pareto.png")
     assert "Latency of the pick on `rag`" in text and "| TTFT | " in text and "2.70 s [2.50-3.50] (24)" in text
+
+
+def test_goodputs_within_two_percent_tie_and_the_cheaper_config_wins() -> None:
+    """Open loop at the recorded rate, every config that keeps up serves the same requests/s: the pick is then
+    the one using the least memory, not whichever drew the higher figure."""
+    from dataclasses import replace
+
+    from tuning import report
+
+    big, small, slow = _traffic_row(0, 0.86, -0.5), _traffic_row(1, 0.85, -0.2), _traffic_row(2, 0.70, -0.6)
+    big = TrialRow(0, replace(big.result, mem_measured=2 * 2**30, single_tok_s=50.0), Objective.goodput)
+    small = TrialRow(1, replace(small.result, mem_measured=2**30, single_tok_s=40.0), Objective.goodput)
+    winner = report.pick([big, small, slow], "aggregate")
+    assert winner is not None and winner.number == 1

@@ -136,7 +136,7 @@ def markdown(confirmed: list[Confirmed], verdict: Verdict, reference: Candidate,
         mark = " (baseline)" if c.candidate.is_baseline else " **(pick)**" if c is verdict.pick else ""
         lines.append(
             f"| {c.candidate.number}{mark} | {c.candidate.label} | {', '.join(f'{v:.1f}' for v in c.single)} "
-            f"| {_ratio(c, 'single')} | {', '.join(f'{v:.1f}' for v in c.second)} | {_ratio(c, 'second')} |")
+            f"| {_ratio(c, 'single')} | {', '.join(f'{v:.3g}' for v in c.second)} | {_ratio(c, 'second')} |")
     lines.append("")
     if verdict.runner_up is None:
         lines.append(f"Pick: trial {verdict.pick.candidate.number} (the only candidate).")

@@ -15,6 +15,7 @@ from tuning.results import Objective, TrialResult
 __all__ = ["Objective", "TrialRow", "markdown", "pareto_front", "pick", "rows_from_study", "trial_table"]
 
 PICK_WITHIN = 0.05  # the balanced pick: best aggregate among trials within 5% of the best single stream
+GOODPUT_TIE = 0.02  # goodputs this close tie: at a fixed arrival rate every config that keeps up serves the same
 PARAM_KEYS = ("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn", "n_gpu_layers")
 
 
@@ -99,12 +100,18 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
 def pick(rows: list[TrialRow], prefer: str) -> TrialRow | None:
     """The winner among feasible trials. balanced (default): best second objective (4-way aggregate, or
     capacity) within 5% of the best single stream; single: best single stream; aggregate: best second
-    objective. Ties go to the other objective."""
+    objective. Ties go to the other objective; on goodput, every trial within GOODPUT_TIE of the best ties
+    and the one using the least memory wins, then the faster median stream."""
     front = pareto_front(rows)
     if not front:
         return None
     if prefer == "single":
         return max(front, key=lambda r: (r.single, r.second))
+    if prefer == "aggregate" and front[0].objective is Objective.goodput:  # a tie is no domination: all feasible
+        feasible = [r for r in rows if r.feasible and r.answered_from is None]
+        best = max(r.second for r in feasible)
+        ties = [r for r in feasible if r.second >= (1 - GOODPUT_TIE) * best]
+        return min(ties, key=lambda r: (r.result.mem_measured or r.result.mem_predicted, -r.single))
     if prefer == "aggregate":
         return max(front, key=lambda r: (r.second, r.single))
     best_single = max(r.single for r in front)

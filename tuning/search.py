@@ -32,7 +32,7 @@ from tuning.options import REPO_ROOT, DeviceChoice, Sampler, SearchOptions, Wher
 from tuning.confirm import Candidate, Verdict  # noqa: E402
 from tuning.report import Objective, TrialRow  # noqa: E402
 from tuning.space import SearchSpace, SpaceFunction, to_engine_config  # noqa: E402
-from tuning.workloads import UserError, least_context, traffic_plan  # noqa: E402
+from tuning.workloads import TrafficPlan, UserError, least_context, traffic_plan  # noqa: E402
 
 if TYPE_CHECKING:
     from tuning.inplace import ServingApp
@@ -437,10 +437,10 @@ def confirm_pick(opts: SearchOptions, rows: list[TrialRow], winner: TrialRow, ba
 
 @contextlib.contextmanager
 def confirmation_measure(*, app: ServingApp | None, workload: Workload, on_gpu: bool, study: str,
-                         total_trials: int, objective: Objective, traffic: Any = None
+                         total_trials: int, objective: Objective, traffic: TrafficPlan | None = None
                          ) -> Iterator[Callable[[EngineConfig], Any]]:
     """`config -> Figures` for the confirmation round: on a serving replica in place, else on one engine of
-    our own in a Ray actor (one more weight load)."""
+    our own in a Ray actor (one more weight load); on a traffic workload each measurement is its replay."""
     import itertools
 
     from tuning.confirm import Figures
@@ -456,7 +456,7 @@ def confirmation_measure(*, app: ServingApp | None, workload: Workload, on_gpu: 
         from tuning.inplace import replica_speed
 
         yield lambda config: figures(replica_speed(
-            app.name, study, total_trials, config, SpeedMeasure(workload, next(requests))))
+            app.name, study, total_trials, config, SpeedMeasure(workload, next(requests), traffic)))
         return
     import ray
 
