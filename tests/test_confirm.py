@@ -87,3 +87,12 @@ def test_within_noise_the_config_using_less_memory_is_picked() -> None:
     calls = {c: 0 for c in figures}
     clear = decide(confirm(candidates, reference=2, rounds=3, measure=measure), "balanced")
     assert clear.pick.candidate.number == 17 and not clear.by_memory and not clear.within_noise
+
+
+def test_a_baseline_that_beats_every_candidate_is_the_pick() -> None:
+    """A chat study measured its pick at 0.4x the baseline's goodput in the confirmation round: writing that
+    config would make the service worse than what it ran."""
+    figures = {A: [(100, 40), (100, 42), (100, 41)], B: [(100, 35), (100, 36), (100, 34)],
+               BASE: [(100, 100), (100, 101), (100, 99)]}
+    confirmed = confirm(_candidates(), reference=2, rounds=3, measure=_measure(figures, []))
+    assert decide(confirmed, "aggregate").pick.candidate.is_baseline

@@ -94,11 +94,12 @@ class Verdict:
 
 
 def decide(confirmed: list[Confirmed], prefer: str) -> Verdict:
-    """The pick on median paired ratios (same rule as the search's pick), among non-baseline candidates
-    when there are any. Candidates whose range of ratios reaches the best one's are a tie within noise: of
+    """The pick on median paired ratios (same rule as the search's pick), the baseline among the candidates:
+    where it beats every config the search found, it is the pick (a pick worse than what ran before is no
+    pick). Candidates whose range of ratios reaches the best one's are a tie within noise: of
     those, the one using the least memory is picked, then the faster single stream (np4 and np8 reaching the
     same aggregate should not cost 6 GiB more because one run drew the higher figure)."""
-    pool = [c for c in confirmed if not c.candidate.is_baseline] or confirmed
+    pool = confirmed
     if prefer == "single":
         metric, eligible = "single", pool
     else:
