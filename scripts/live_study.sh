@@ -19,8 +19,10 @@ RECORD=${RECORD:-40}
 URL=http://127.0.0.1:8000
 mkdir -p "$OUT"
 say() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/progress.log"; }
-stop_all() { kill -INT "${PIDS[@]}" 2>/dev/null; wait "${PIDS[@]}" 2>/dev/null; serve shutdown -y > /dev/null 2>&1
-             kill "$SERVE" 2>/dev/null; wait "$SERVE" 2>/dev/null; }
+# the clients stop on SIGINT and write their counts; `serve run`, started in the background of a script, has
+# SIGINT ignored: SIGTERM shuts it down with the Ray it started
+stop_all() { if [ ${#PIDS[@]} -gt 0 ]; then kill -INT "${PIDS[@]}" 2>/dev/null; wait "${PIDS[@]}" 2>/dev/null; fi
+             kill -TERM "$SERVE" 2>/dev/null; wait "$SERVE" 2>/dev/null; }
 finish() { echo "rc=$1" > "$OUT/done"; say "done rc=$1"; exit "$1"; }
 
 say "serve run"
