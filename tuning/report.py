@@ -206,7 +206,7 @@ def plot(rows: list[TrialRow], winner: TrialRow | None, path: Path) -> None:
             ax.scatter([r.single], [r.second], marker="s", s=90, c="tab:red", label="article baseline")
     if winner is not None:
         ax.scatter([winner.single], [winner.second], marker="*", s=250, c="gold", edgecolors="k", label="pick")
-    ax.set_xlabel(rows[0].objective.first_label if rows else Objective.aggregate.first_label)
+    ax.set_xlabel(f"{(rows[0].objective if rows else Objective.aggregate).first_label}: decode tok/s")
     ax.set_ylabel(rows[0].objective.label if rows else Objective.aggregate.label)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)

@@ -39,8 +39,8 @@ class Objective(str, Enum):
 
     @property
     def first_label(self) -> str:
-        """The first objective: single-stream decode tok/s; on a workload, its median request's."""
-        return "median stream tok/s" if self is Objective.goodput else "single-stream tok/s"
+        """The first objective: the single stream's decode tok/s; on a workload, its median request's."""
+        return "median stream" if self is Objective.goodput else "single stream"
 
 
 @dataclass(frozen=True, kw_only=True)
