@@ -49,6 +49,11 @@ class Arrivals(str, Enum):
     closed = "closed"  # `concurrency` clients, each waiting for its last answer
 
 
+def replayed_kind(kind: RequestKind) -> RequestKind:
+    """How a recorded kind replays: a constrained request as sampled (its grammar is not recorded)."""
+    return RequestKind.sampled if kind is RequestKind.constrained else kind
+
+
 @dataclass(frozen=True)
 class ReplayRequest:
     """One request to replay, as counts. Its prompt is `prefix_tokens` tokens of prefix group `group`'s
@@ -78,7 +83,7 @@ class ReplayRequest:
         """A recorded shape: the tokens it found cached are the part shared with earlier requests (one group:
         the service's prefixes are unknown, only how much of each prompt was found). Constrained requests
         replay as sampled (their grammar is not recorded); a request that produced nothing asks for one token."""
-        kind = RequestKind.sampled if shape.kind is RequestKind.constrained else shape.kind
+        kind = replayed_kind(shape.kind)
         return cls(prompt_tokens=max(shape.prompt_tokens, 1), output_tokens=max(shape.output_tokens, shape.n),
                    prefix_tokens=min(shape.cached_tokens, max(shape.prompt_tokens - 1, 0)),
                    arrival_s=max(shape.arrival - first_arrival, 0.0), kind=kind, n=shape.n)
@@ -281,7 +286,7 @@ def _request_of(line: Any) -> ReplayRequest:
     kind = RequestKind(line.get("kind", RequestKind.greedy.value))
     return ReplayRequest(prompt_tokens=prompt, output_tokens=max(int(line["output_tokens"]), n),
                          prefix_tokens=min(prefix, max(prompt - 1, 0)), group=int(line.get("group", 0)),
-                         kind=RequestKind.sampled if kind is RequestKind.constrained else kind, n=n)
+                         kind=replayed_kind(kind), n=n)
 
 
 # -- running one --------------------------------------------------------------------------------------------

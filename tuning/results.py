@@ -85,9 +85,9 @@ class TrafficFigures:
         if name not in self.percentiles:
             return "-"
         value, low, high, _ = self.percentiles[name]
-        unit, scale = ("ms", 1000.0) if value < 1.0 else ("s", 1.0)
-        return f"{value * scale:.0f} {unit} [{low * scale:.0f}-{high * scale:.0f}]" if unit == "ms" else \
-            f"{value:.2f} s [{low:.2f}-{high:.2f}]"
+        if value < 1.0:
+            return f"{value * 1000:.0f} ms [{low * 1000:.0f}-{high * 1000:.0f}]"
+        return f"{value:.2f} s [{low:.2f}-{high:.2f}]"
 
 
 @dataclass(frozen=True, kw_only=True)
