@@ -8,7 +8,8 @@
 #
 # Settings (environment): WORKLOADS ("chat rag"), SLO, TRIALS, REQUESTS (per replay), LENGTH_SCALE (token
 # lengths times this: a small machine's quick run keeps each workload's mix), CONFIRM (confirmation rounds),
-# ROUNDS (cross-table rounds), CONCURRENCY (closed-loop clients), MODEL, VRAM_BUDGET.
+# ROUNDS (cross-table rounds), CONCURRENCY (closed-loop clients), MODEL, VRAM_BUDGET, SPACE (a search-space
+# YAML: a short study over a narrower space, e.g. configs/search_space_workloads.yaml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/workload_picks}
@@ -25,6 +26,7 @@ mkdir -p "$OUT"
 extra=()
 [ -n "${MODEL:-}" ] && extra+=(--model "$MODEL")
 [ -n "${VRAM_BUDGET:-}" ] && extra+=(--vram-budget "$VRAM_BUDGET")
+[ -n "${SPACE:-}" ] && extra+=(--space "$SPACE")
 configs=()
 for w in $WORKLOADS; do
   echo "== study: $w (slo $SLO, $TRIALS trials, $REQUESTS requests, lengths x$LENGTH_SCALE)" >&2
