@@ -26,7 +26,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -363,6 +363,15 @@ class ReplayFigures:
     slo: SloOutcome
     percentiles: dict[str, Spread] = field(default_factory=dict)  # "ttft_p95" -> its spread
     errors: tuple[str, ...] = ()  # the first few distinct errors
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ReplayFigures:
+        """Back from `dataclasses.asdict` (a saved report), so tables can be drawn again from what was measured."""
+        fields = dict(data)
+        fields["slo"] = SloOutcome.from_dict(data["slo"])
+        fields["percentiles"] = {k: Spread(**v) for k, v in data.get("percentiles", {}).items()}
+        fields["errors"] = tuple(data.get("errors", ()))
+        return cls(**fields)
 
     @classmethod
     def of(cls, workload: str, outcomes: Sequence[Outcome], wall_s: float, slo: Slo) -> ReplayFigures:

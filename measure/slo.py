@@ -20,9 +20,10 @@ from __future__ import annotations
 import math
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from measure.metrics import percentile
 
@@ -206,6 +207,16 @@ class SloOutcome:
     def attainment(self) -> float:
         """The share of requests that were good."""
         return self.good / self.requests if self.requests else 0.0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SloOutcome:
+        """Back from `dataclasses.asdict` (a saved report): the tables can be drawn again from what was measured."""
+        def target(t: Mapping[str, Any]) -> Target:
+            return Target(Latency(t["metric"]), int(t["pct"]), float(t["bound_s"]))
+
+        return cls(observed=tuple((target(t), Spread(**s)) for t, s in data["observed"]),
+                   misses=tuple(Miss(target(m["target"]), float(m["observed_s"])) for m in data["misses"]),
+                   failed=int(data["failed"]), good=int(data["good"]), requests=int(data["requests"]))
 
     def describe(self) -> str:
         if self.met:

@@ -118,7 +118,7 @@ def positive_float(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", action="append", type=named_path, default=[], metavar="NAME=PATH", required=True,
+    p.add_argument("--config", action="append", type=named_path, default=[], metavar="NAME=PATH",
                    help="an engine config YAML under a name (repeat: at least 2, names unique). The engine is loaded "
                         "with the first; the others are switched to by Engine.reconfigure (the context rebuilt, the "
                         "weights kept while model and n_gpu_layers agree). A config named like a workload is that "
@@ -126,11 +126,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="an engine setting applied to every config, over the files' values (repeat; e.g. "
                         "model=/models/x.gguf, n_threads=8)")
-    p.add_argument("--workload", action="append", default=[], metavar="NAME|PATH", required=True,
+    p.add_argument("--workload", action="append", default=[], metavar="NAME|PATH",
                    help=f"a workload to replay (repeat): a built-in ({', '.join(b.value for b in Builtin)}) drawn "
                         "with --seed, or a JSONL file of request shapes (measure/replay.py load_file; GET /traffic's "
                         "recent.requests lines), named by its file stem. Names must be unique")
-    p.add_argument("--slo", type=slo_arg, required=True, metavar="TARGETS",
+    p.add_argument("--slo", type=slo_arg, metavar="TARGETS",
                    help="the latency targets goodput counts against, e.g. ttft_p95=2s,itl_p95=150ms (metrics ttft, "
                         "itl, e2e; percentiles p50, p90, p95, p99; units s or ms). A request is good when its own "
                         "TTFT, mean ITL and E2E are within every bound; a run meets the SLO when every percentile does "
@@ -163,6 +163,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the JSON report (provenance, command, configs, workloads, SLO, every run's figures); the "
                         "markdown tables are saved beside it with the suffix .md "
                         f"(default {DEFAULT_OUT.relative_to(REPO_ROOT)})")
+    p.add_argument("--tables-from", type=Path, metavar="REPORT",
+                   help="measure nothing: draw the tables again from a saved JSON report (its runs, under this "
+                        "version's rules) and print them")
     return p
 
 
@@ -170,6 +173,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The arguments, with what argparse cannot check alone: two configs at least, no name given twice."""
     p = parser()
     args = p.parse_args(argv)
+    if args.tables_from is not None:
+        return args
+    missing = [flag for flag, value in (("--config", args.config), ("--workload", args.workload), ("--slo", args.slo))
+               if not value]
+    if missing:
+        p.error(f"the following arguments are required: {', '.join(missing)}")
     names = [name for name, _ in args.config]
     if len(names) < 2:
         p.error("--config: give at least 2 configs (NAME=PATH) to compare")
@@ -237,6 +246,21 @@ def unfit_requests(workload: TrafficWorkload, config: EngineConfig) -> int:
     return sum(1 for r in workload.requests
                if r.n > config.n_parallel
                or r.prompt_tokens + max(r.output_tokens // r.n, 1) > config.n_ctx_per_slot)
+
+
+@dataclass(frozen=True)
+class WorkloadInfo:
+    """What the tables say of a workload: its name, its description, requests per replay, and per config the
+    requests that cannot fit its context per slot. Saved in the report, so tables can be drawn again."""
+
+    name: str
+    describe: str
+    requests: int
+    unfit: dict[str, int]
+
+    @classmethod
+    def of(cls, workload: TrafficWorkload, configs: Mapping[str, EngineConfig]) -> WorkloadInfo:
+        return cls(workload.name, workload.describe(), len(workload.requests), unfit_by_config(workload, configs))
 
 
 def unfit_by_config(workload: TrafficWorkload, configs: Mapping[str, EngineConfig]) -> dict[str, int]:
@@ -339,11 +363,14 @@ class Row:
 
 @dataclass(frozen=True)
 class Cell:
-    """One config on one workload in the cross table: its median goodput, and its paired ratio to `reference`."""
+    """One config on one workload in the cross table: its median goodput, its paired ratio to `reference`, and
+    in how many rounds it met the SLO (goodput of a run that missed is shown, but wins nothing)."""
 
     goodput_rps: float
     ratio: float | None
     reference: str
+    met: int
+    rounds: int
 
 
 def median(values: Sequence[float]) -> float:
@@ -369,19 +396,27 @@ def goodputs(runs: Sequence[Run], workload: str, config: str) -> dict[int, float
 
 
 def best_config(runs: Sequence[Run], workload: str, configs: Sequence[str]) -> str:
-    """The config with the highest median goodput on `workload`; on a tie (all 0 where nothing meets the SLO)
-    the one that got the most done (median throughput), then the first named."""
-    def rank(config: str) -> tuple[float, float, int]:
+    """The config that met the SLO in the most rounds (as the tuner, which calls a miss infeasible: a config
+    that fails long requests quickly can show more goodput from the short ones), then the highest median
+    goodput; on a tie (all 0 where nothing meets the SLO) the one that got the most done (median throughput),
+    then the first named."""
+    def rank(config: str) -> tuple[int, float, float, int]:
         rounds = by_round(runs, workload, config).values()
-        return (median([f.goodput_rps for f in rounds]), median([f.throughput_rps for f in rounds]),
-                -configs.index(config))
+        return (sum(1 for f in rounds if f.slo.met), median([f.goodput_rps for f in rounds]),
+                median([f.throughput_rps for f in rounds]), -configs.index(config))
 
     return max(configs, key=rank)
 
 
+def own_config(workload: str, configs: Sequence[str]) -> str | None:
+    """The config named like the workload, its length scale aside (config `rag` belongs to workload `rag@0.5`)."""
+    base = workload.partition("@")[0]
+    return base if base in configs else None
+
+
 def reference_config(runs: Sequence[Run], workload: str, configs: Sequence[str]) -> str:
     """The cross table's reference on a workload: the config named like it, else the workload's best."""
-    return workload if workload in configs else best_config(runs, workload, configs)
+    return own_config(workload, configs) or best_config(runs, workload, configs)
 
 
 def workload_rows(runs: Sequence[Run], workload: str, configs: Sequence[str],
@@ -414,7 +449,9 @@ def cross_cells(runs: Sequence[Run], workloads: Sequence[str], configs: Sequence
         ref = goodputs(runs, workload, reference)
         for config in configs:
             ours = goodputs(runs, workload, config)
-            cells[config][workload] = Cell(median(list(ours.values())), paired_ratio(ours, ref), reference)
+            rounds = by_round(runs, workload, config).values()
+            cells[config][workload] = Cell(median(list(ours.values())), paired_ratio(ours, ref), reference,
+                                           met=sum(1 for f in rounds if f.slo.met), rounds=len(rounds))
     return cells
 
 
@@ -439,35 +476,41 @@ def failed_text(row: Row, requests_per_replay: int) -> str:
     return text
 
 
-def workload_table(workload: TrafficWorkload, rows: Sequence[Row], best: str, slo: Slo) -> str:
-    lines = [f"### Workload `{workload.name}`", "", f"{workload.describe()}. SLO {slo}; best config: `{best}`.",
+def workload_table(workload: WorkloadInfo, rows: Sequence[Row], best: str, slo: str) -> str:
+    lines = [f"### Workload `{workload.name}`", "", f"{workload.describe}. SLO {slo}; best config: `{best}`.",
              "", "| config | goodput req/s (median) | goodput / best (paired) | SLO met | TTFT p95 | ITL p95 | failed |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         lines.append(f"| {r.config} | {goodput_text(r.goodput_rps)} | {ratio_text(r.ratio_to_best)} | {r.met}/{r.rounds} "
-                     f"| {seconds(r.ttft_p95_s)} | {seconds(r.itl_p95_s)} | {failed_text(r, len(workload.requests))} |")
+                     f"| {seconds(r.ttft_p95_s)} | {seconds(r.itl_p95_s)} | {failed_text(r, workload.requests)} |")
     return "\n".join(lines) + "\n"
 
 
 def cross_table(cells: Mapping[str, Mapping[str, Cell]], workloads: Sequence[str], rounds: int) -> str:
     first = next(iter(cells.values()), {})
-    header = [f"{w} (vs `{first[w].reference}`{'' if first[w].reference == w else ', its best'})" for w in workloads]
+    header = [f"{w} (vs `{first[w].reference}`{'' if own_config(w, list(cells)) else ', its best'})"
+              for w in workloads]
     lines = ["### Each workload's pick measured on every workload", "",
              f"Goodput req/s, median over {rounds} round(s); in brackets the median per-round paired ratio to the "
-             "workload's own config (the config named like it; else its best config, as the header says).", "",
+             "workload's own config (the config named like it; else its best config, as the header says), and the "
+             "rounds that met the SLO where some did not: a config that misses wins nothing.", "",
              f"| config \\ workload | {' | '.join(header)} |", f"| --- |{' ---: |' * len(workloads)}"]
     for config, row in cells.items():
-        texts = [f"{goodput_text(row[w].goodput_rps)} ({ratio_text(row[w].ratio)})" for w in workloads]
+        texts = [cell_text(row[w]) for w in workloads]
         lines.append(f"| {config} | " + " | ".join(f"**{t}**" if row[w].reference == config else t
                                                     for w, t in zip(workloads, texts, strict=True)) + " |")
     return "\n".join(lines) + "\n"
 
 
-def markdown(runs: Sequence[Run], workloads: Sequence[TrafficWorkload], configs: Mapping[str, EngineConfig],
-             slo: Slo, rounds: int) -> str:
-    names = list(configs)
-    parts = [workload_table(w, workload_rows(runs, w.name, names, unfit_by_config(w, configs)),
-                            best_config(runs, w.name, names), slo) for w in workloads]
+def cell_text(cell: Cell) -> str:
+    missed = f", SLO met {cell.met}/{cell.rounds}" if cell.met < cell.rounds else ""
+    return f"{goodput_text(cell.goodput_rps)} ({ratio_text(cell.ratio)}{missed})"
+
+
+def markdown(runs: Sequence[Run], workloads: Sequence[WorkloadInfo], names: Sequence[str], slo: str,
+             rounds: int) -> str:
+    parts = [workload_table(w, workload_rows(runs, w.name, names, w.unfit), best_config(runs, w.name, names), slo)
+             for w in workloads]
     parts.append(cross_table(cross_cells(runs, [w.name for w in workloads], names), [w.name for w in workloads],
                              rounds))
     return "\n".join(parts)
@@ -481,6 +524,26 @@ def run_dict(run: Run) -> dict[str, Any]:
     return {"round": run.round, "workload": run.workload, "config": run.config, "salt": run.salt,
             "figures": asdict(run.figures), "slo_met": outcome.met, "slo_violation": outcome.violation,
             "slo_attainment": outcome.attainment, "slo_describe": outcome.describe()}
+
+
+def run_from_dict(data: Mapping[str, Any]) -> Run:
+    """A run back from its saved form (`run_dict`)."""
+    return Run(int(data["round"]), data["workload"], data["config"], int(data["salt"]),
+               ReplayFigures.from_dict(data["figures"]))
+
+
+def saved_tables(path: Path) -> str:
+    """The markdown tables of a saved report, drawn again from its runs under this version's rules."""
+    import json
+
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        runs = [run_from_dict(r) for r in saved["runs"]]
+        workloads = [WorkloadInfo(name, w["describe"], w["requests"], w.get("unfit_requests", {}))
+                     for name, w in saved["workloads"].items()]
+        return markdown(runs, workloads, list(saved["configs"]), saved["slo"], saved["rounds"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--tables-from {path}: not a report of this script ({type(exc).__name__}: {exc})") from None
 
 
 def report(args: argparse.Namespace, argv: Sequence[str], configs: Mapping[str, EngineConfig],
@@ -506,6 +569,9 @@ def report(args: argparse.Namespace, argv: Sequence[str], configs: Mapping[str, 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.tables_from is not None:
+        print(saved_tables(args.tables_from), end="")
+        return 0
     configs = load_configs(args.config, dict(args.engine))
     workloads = load_workloads(args)
     for w in workloads:
@@ -515,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  config {name}: {unfit} of its {len(w.requests)} requests exceed the {config.n_ctx_per_slot}"
                       f"-token context per slot (largest {w.max_context}): they will fail", file=sys.stderr)
     warmups, runs = measure_all(configs, workloads, args.slo, args.rounds, args.warmup_requests)
-    text = markdown(runs, workloads, configs, args.slo, args.rounds)
+    text = markdown(runs, [WorkloadInfo.of(w, configs) for w in workloads], list(configs), str(args.slo), args.rounds)
     print(text, flush=True)
     write_report(args.out, report(args, argv, configs, workloads, warmups, runs))
     args.out.with_suffix(".md").write_text(text, encoding="utf-8")

@@ -146,8 +146,40 @@ def test_cross_cells_pair_against_the_own_named_config_else_the_best(bench) -> N
     assert cells["chat"]["agent"].reference == "rag" and cells["chat"]["agent"].ratio == pytest.approx(5 / 12)
     text = bench.cross_table(cells, ["chat", "rag", "agent"], 2)
     assert "| config \\ workload | chat (vs `chat`) | rag (vs `rag`) | agent (vs `rag`, its best) |" in text
-    assert "| chat | **0.700 (1.000)** | 0.200 (0.450) | 0.300 (0.417) |" in text
-    assert "| rag | 0.500 (0.750) | **0.450 (1.000)** | **0.750 (1.000)** |" in text
+    assert "| chat | **0.700 (1.000, SLO met 0/2)** | 0.200 (0.450, SLO met 0/2) | 0.300 (0.417, SLO met 0/2) |" in text
+    assert ("| rag | 0.500 (0.750, SLO met 0/2) | **0.450 (1.000, SLO met 0/2)** "
+            "| **0.750 (1.000, SLO met 0/2)** |") in text
+
+
+@pytest.mark.unit
+def test_a_config_that_misses_the_slo_is_never_the_best_and_scaled_workloads_keep_their_own_config(bench) -> None:  # noqa: ANN001
+    # "short" fails the long half of the requests quickly and shows more goodput from the rest: it missed the
+    # SLO (failed requests), so "long", which met it, is the workload's best; config `rag` is workload rag@0.5's own
+    measured = [bench.Run(r, "rag@0.5", "short", 0, made(6, failed=4, wall_s=4.0)) for r in range(2)]
+    measured += [bench.Run(r, "rag@0.5", "rag", 0, made(10, wall_s=10.0)) for r in range(2)]
+    assert bench.best_config(measured, "rag@0.5", ["short", "rag"]) == "rag"
+    assert bench.own_config("rag@0.5", ["short", "rag"]) == "rag" and bench.own_config("chat", ["rag"]) is None
+    cells = bench.cross_cells(measured, ["rag@0.5"], ["short", "rag"])
+    assert cells["short"]["rag@0.5"].reference == "rag" and cells["short"]["rag@0.5"].ratio == pytest.approx(1.5)
+    text = bench.cross_table(cells, ["rag@0.5"], 2)
+    assert "| rag@0.5 (vs `rag`) |" in text
+    assert "| short | 1.500 (1.500, SLO met 0/2) |" in text and "| rag | **1.000 (1.000)** |" in text
+
+
+@pytest.mark.unit
+def test_the_tables_are_drawn_again_from_a_saved_report(bench, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    measured = runs(bench, {("chat", "a"): [1.0, 0.8], ("chat", "b"): [0.5, 0.5]})
+    infos = [bench.WorkloadInfo("chat", "chat (made up)", 10, {"b": 2})]
+    saved = {"configs": {"a": {}, "b": {}}, "slo": str(SLO), "rounds": 2, "runs": [bench.run_dict(r) for r in measured],
+             "workloads": {"chat": {"describe": "chat (made up)", "requests": 10, "unfit_requests": {"b": 2}}}}
+    path = tmp_path / "cross.json"
+    path.write_text(json.dumps(saved))
+    assert [bench.run_from_dict(bench.run_dict(r)) for r in measured] == measured
+    assert bench.main(["--tables-from", str(path)]) == 0
+    assert capsys.readouterr().out == bench.markdown(measured, infos, ["a", "b"], str(SLO), 2)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match="not a report of this script"):
+        bench.main(["--tables-from", str(tmp_path / "bad.json")])
 
 
 @pytest.mark.unit
@@ -155,7 +187,7 @@ def test_the_workload_table_says_which_failures_come_from_a_short_context(bench)
     workload = bench.resolve_workload("chat", 10, 0)
     measured = runs(bench, {("chat", "a"): [1.0], ("chat", "b"): [0.0]})
     rows = bench.workload_rows(measured, "chat", ["a", "b"], {"b": 10})
-    text = bench.workload_table(workload, rows, "a", SLO)
+    text = bench.workload_table(bench.WorkloadInfo.of(workload, {}), rows, "a", str(SLO))
     assert "best config: `a`" in text and "ttft_p95<=1.00s" in text
     assert "| a | 1.000 | 1.000 | 1/1 | 100ms | 50ms | 0/10 |" in text
     assert "| b | 0.000 | 0.000 | 0/1 | n/a | n/a | 10/10 (10 of 10 requests do not fit its context per slot) |" in text
