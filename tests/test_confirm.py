@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from serving.config import EngineConfig
-from tuning.confirm import Candidate, Figures, confirm, decide, markdown, rotation
+from tuning.confirm import Candidate, Figures, Verdict, confirm, decide, markdown, rotation
 
 pytestmark = pytest.mark.unit
 
@@ -96,3 +96,32 @@ def test_a_baseline_that_beats_every_candidate_is_the_pick() -> None:
                BASE: [(100, 100), (100, 101), (100, 99)]}
     confirmed = confirm(_candidates(), reference=2, rounds=3, measure=_measure(figures, []))
     assert decide(confirmed, "aggregate").pick.candidate.is_baseline
+
+
+def _served_round(served_figures: list[tuple[float, float]]) -> tuple[list[Candidate], Verdict]:
+    """The pick A, the baseline, and the config served now (no trial: number -1), measured over 3 rounds."""
+    served = EngineConfig(n_parallel=8, n_ctx=8192)
+    candidates = [Candidate(7, "a", A, memory=2), Candidate(0, "base", BASE, is_baseline=True, memory=1),
+                  Candidate(-1, "np8", served, memory=3, is_served=True)]
+    figures = {A: [(100, 200), (100, 204), (100, 198)], BASE: [(100, 100)] * 3, served: served_figures}
+    calls = {c: 0 for c in figures}
+
+    def measure(config: EngineConfig) -> Figures:
+        calls[config] += 1
+        return Figures(*figures[config][calls[config] - 1])
+
+    return candidates, decide(confirm(candidates, reference=1, rounds=3, measure=measure), "aggregate")
+
+
+def test_in_place_a_pick_must_beat_the_served_config_and_a_tie_keeps_it() -> None:
+    """The served config is a candidate: within noise of the best it stays (a switch buys nothing measurable),
+    though it costs more memory; a clear lead over it is picked."""
+    candidates, tie = _served_round([(100, 197), (100, 201), (100, 199)])
+    assert tie.keeps_served and tie.kept_served and not tie.by_memory and tie.within_noise
+    assert tie.runner_up is not None and tie.runner_up.candidate.number == 7
+    text = markdown([tie.pick, tie.runner_up], tie, candidates[1], 3)
+    assert "| - (served) **(pick)** | np8 |" in text and "Pick: the served config on the" in text
+    assert "the served config stays" in text
+    candidates, beaten = _served_round([(100, 150), (100, 152), (100, 149)])
+    assert beaten.pick.candidate.number == 7 and not beaten.keeps_served and not beaten.kept_served
+    assert "| - (served) |" in markdown([beaten.pick, beaten.runner_up], beaten, candidates[1], 3)  # type: ignore[list-item]

@@ -16,7 +16,7 @@ from tuning.confirm import Candidate, Confirmed, decide
 from tuning.options import Prefer, SearchOptions, Where, _parser, parse_options
 from tuning.report import TrialRow
 from tuning.results import Objective, TrialResult
-from tuning.search import Confirmation, UserError, pick_summary, plan_line, serving_app
+from tuning.search import Confirmation, UserError, pick_summary, plan_line, serving_app, with_served
 from tuning.workloads import least_context, traffic_plan
 
 pytestmark = pytest.mark.unit
@@ -122,6 +122,30 @@ def test_the_pick_line_carries_the_confirmed_paired_ratios() -> None:
     assert "1.02x" not in line and "1.40x" not in line
     unconfirmed = pick_summary("s", pick, [baseline, pick], None, parse_options(["--confirm-rounds", "0"]))
     assert "102.0 tok/s single" in unconfirmed and "1.02x" in unconfirmed and "1.40x" in unconfirmed
+
+
+def test_in_place_the_served_config_joins_the_confirmation_and_the_line_says_when_it_stays() -> None:
+    from serving.config import embedded_model_path
+    from tuning.memory import ModelShape, predict
+
+    settings = SimpleNamespace(shape=ModelShape.from_gguf(embedded_model_path()), on_gpu=False)
+    pick = Candidate(7, "pick", EngineConfig(n_parallel=2))
+    base = Candidate(0, "base", EngineConfig(), is_baseline=True)
+    marked = with_served([pick, base], EngineConfig(), settings)  # the baseline is what is served
+    assert [c.is_served for c in marked] == [False, True] and len(marked) == 2
+    served = EngineConfig(n_parallel=8, n_ctx=8192)
+    added = with_served([pick, base], served, settings)[-1]
+    assert (added.number, added.is_served, added.config, added.name) == (-1, True, served, "the served config")
+    assert added.label == "np8 b2048/512 c1024/slot f16/f16 fa-auto"
+    assert added.memory == predict(settings.shape, served, False).total > 0
+    confirmed = [Confirmed(base, [100.0] * 3, [100.0] * 3, [1.0] * 3, [1.0] * 3),
+                 Confirmed(pick, [100.0] * 3, [140.0] * 3, [1.0] * 3, [1.4, 1.42, 1.44]),
+                 Confirmed(added, [100.0] * 3, [141.0] * 3, [1.0] * 3, [1.41, 1.43, 1.45])]
+    verdict = decide(confirmed, "aggregate")
+    assert verdict.keeps_served
+    line = Confirmation(None, verdict, base, 3, "").summary(Objective.aggregate)
+    assert line.startswith("the served config stays: no candidate beat it over 3 interleaved confirmation rounds")
+    assert "trial 7, measured 1.420x against 1.430x for the served config" in line, line
 
 
 def test_a_parse_error_names_the_flag(capsys: pytest.CaptureFixture) -> None:

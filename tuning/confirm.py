@@ -1,12 +1,14 @@
-"""The confirmation round: the search's best few configs and the baseline, measured again, interleaved, and
-picked on paired ratios.
+"""The confirmation round: the search's best few configs, the baseline and (in place) the config served now,
+measured again, interleaved, and picked on paired ratios.
 
 Repeats of one config spread ~3% on the H200, and a search's winner can lead its runner-up by less than
 that: a pick made on one measurement each may be noise. So after the search the candidates are measured
 `rounds` more times in rotating order (A B C, B C A, C A B, ...: drift on the machine hits every candidate
 alike), each round's figure is divided by the reference's figure of the same round (the article baseline
 when it ran, else the search's own pick), and the pick is made on the medians of those paired ratios. When
-the pick's range of ratios overlaps the runner-up's, the report says the pick is within noise.
+the pick's range of ratios overlaps the runner-up's, the report says the pick is within noise. In place, the
+config the replicas serve is a candidate too (trial number -1 when no trial ran it): a pick must beat what is
+served, and a tie within noise keeps it (a switch would buy nothing measurable).
 """
 
 from __future__ import annotations
@@ -22,13 +24,20 @@ PICK_WITHIN = 0.05  # balanced: best aggregate among candidates within 5% of the
 
 @dataclass(frozen=True)
 class Candidate:
-    """A config to confirm: the study trial it came from, and whether it is the article baseline."""
+    """A config to confirm: the study trial it came from (-1: none, the served config), whether it is the
+    article baseline, and whether the replicas serve it now."""
 
     number: int
     label: str
     config: EngineConfig
     is_baseline: bool = False
     memory: int = 0  # bytes the trial measured (else predicted): what a tie within noise is decided on
+    is_served: bool = False
+
+    @property
+    def name(self) -> str:
+        """How tables and lines name it: its trial, else "the served config"."""
+        return "the served config" if self.number < 0 else f"trial {self.number}"
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,7 @@ def confirm(candidates: list[Candidate], reference: int, rounds: int,
         figures: dict[int, Figures] = {}
         for i in rotation(r, len(candidates)):
             figures[i] = measure(candidates[i].config)
-            progress(f"confirmation round {r + 1}/{rounds}: trial {candidates[i].number}: "
+            progress(f"confirmation round {r + 1}/{rounds}: {candidates[i].name}: "
                      f"{figures[i].single:.1f} tok/s single, {figures[i].second:.3g} second objective")
         ref = figures[reference]
         for i, result in enumerate(results):
@@ -91,6 +100,12 @@ class Verdict:
     metric: str  # the ratio the pick was decided on: "single" or "second"
     within_noise: bool
     by_memory: bool = False  # the best on the metric was within noise of a cheaper config, which was picked
+    kept_served: bool = False  # the served config was within noise of the best: it stays
+
+    @property
+    def keeps_served(self) -> bool:
+        """Nothing to switch to: the served config is the pick."""
+        return self.pick.candidate.is_served
 
 
 def decide(confirmed: list[Confirmed], prefer: str) -> Verdict:
@@ -98,7 +113,8 @@ def decide(confirmed: list[Confirmed], prefer: str) -> Verdict:
     where it beats every config the search found, it is the pick (a pick worse than what ran before is no
     pick). Candidates whose range of ratios reaches the best one's are a tie within noise: of
     those, the one using the least memory is picked, then the faster single stream (np4 and np8 reaching the
-    same aggregate should not cost 6 GiB more because one run drew the higher figure)."""
+    same aggregate should not cost 6 GiB more because one run drew the higher figure); the served config, in
+    such a tie, is picked before them all (it costs no switch)."""
     pool = confirmed
     if prefer == "single":
         metric, eligible = "single", pool
@@ -111,11 +127,13 @@ def decide(confirmed: list[Confirmed], prefer: str) -> Verdict:
     ranked = sorted(eligible, key=lambda c: (c.median(metric), c.median(other)))
     best = ranked[-1]
     ties = [c for c in ranked if c.spread(metric)[1] >= best.spread(metric)[0]]
-    pick = min(ties, key=lambda c: (c.candidate.memory, -c.median("single"), -ranked.index(c)))
+    pick = min(ties, key=lambda c: (not c.candidate.is_served, c.candidate.memory, -c.median("single"),
+                                    -ranked.index(c)))
     order = [c for c in pool if c not in eligible] + ranked
     runner_up = next((c for c in reversed(order) if c is not pick), None)
     overlap = runner_up is not None and _overlap(pick, runner_up, metric)
-    return Verdict(pick, runner_up, metric, overlap, by_memory=pick is not best)
+    kept = pick is not best and pick.candidate.is_served
+    return Verdict(pick, runner_up, metric, overlap, by_memory=pick is not best and not kept, kept_served=kept)
 
 
 def _overlap(a: Confirmed, b: Confirmed, metric: str) -> bool:
@@ -134,23 +152,28 @@ def markdown(confirmed: list[Confirmed], verdict: Verdict, reference: Candidate,
              f"| trial | config | single tok/s (rounds) | single ratio | {second_label} (rounds) | its ratio |",
              "|---|---|---|---|---|---|"]
     for c in confirmed:
-        mark = " (baseline)" if c.candidate.is_baseline else " **(pick)**" if c is verdict.pick else ""
+        mark = " (baseline)" if c.candidate.is_baseline else ""
+        mark += " (served)" if c.candidate.is_served else ""
+        mark += " **(pick)**" if c is verdict.pick else ""
+        number = "-" if c.candidate.number < 0 else c.candidate.number
         lines.append(
-            f"| {c.candidate.number}{mark} | {c.candidate.label} | {', '.join(f'{v:.1f}' for v in c.single)} "
+            f"| {number}{mark} | {c.candidate.label} | {', '.join(f'{v:.1f}' for v in c.single)} "
             f"| {_ratio(c, 'single')} | {', '.join(f'{v:.3g}' for v in c.second)} | {_ratio(c, 'second')} |")
     lines.append("")
     if verdict.runner_up is None:
-        lines.append(f"Pick: trial {verdict.pick.candidate.number} (the only candidate).")
+        lines.append(f"Pick: {verdict.pick.candidate.name} (the only candidate).")
     else:
         noise = ("**within noise**: its range of ratios overlaps the runner-up's, so the two are not told apart "
                  "by these rounds" if verdict.within_noise else "ahead of the runner-up in every round's range")
+        if verdict.kept_served:
+            noise += "; within noise of the best, the served config stays (a switch would buy nothing measurable)"
         if verdict.by_memory:
             noise += (f"; picked for its memory ({verdict.pick.candidate.memory / 2**30:.2f} GiB against "
                       f"{verdict.runner_up.candidate.memory / 2**30:.2f} GiB): within noise, the cheaper config")
         metric = "single-stream" if verdict.metric == "single" else second_label
-        lines.append(f"Pick: trial {verdict.pick.candidate.number} on the {metric} ratio "
+        lines.append(f"Pick: {verdict.pick.candidate.name} on the {metric} ratio "
                      f"({verdict.pick.median(verdict.metric):.3f} vs {verdict.runner_up.median(verdict.metric):.3f} "
-                     f"for trial {verdict.runner_up.candidate.number}): {noise}.")
+                     f"for {verdict.runner_up.candidate.name}): {noise}.")
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from serving.config import EngineConfig
 from tuning.results import Objective, TrialResult
 
 __all__ = ["Objective", "TrialRow", "markdown", "pareto_front", "pick", "rows_from_study", "trial_table"]
@@ -54,12 +55,21 @@ class TrialRow:
         return self.result.answered_from
 
     def label(self) -> str:
+        """The trial's config in short, as config_label writes an engine config."""
         p = self.params
         ubatch = min(p.get("n_ubatch") or 0, p.get("n_batch") or 0)  # as the engine ran it (clamped)
         label = (f"np{p.get('n_parallel')} b{p.get('n_batch')}/{ubatch} c{p.get('ctx_per_slot')}/slot "
                  f"{p.get('type_k')}/{p.get('type_v')} fa-{p.get('flash_attn')}")
         label += f" ngl{p['n_gpu_layers']}" if "n_gpu_layers" in p else ""
         return label + (f" spec-{p['spec_mode']}" if p.get("spec_mode", "off") != "off" else "")
+
+
+def config_label(config: EngineConfig) -> str:
+    """An engine config in short, as a trial's label writes it: `np4 b2048/512 c2048/slot f16/f16 fa-auto`."""
+    label = (f"np{config.n_parallel} b{config.n_batch}/{min(config.n_ubatch, config.n_batch)} "
+             f"c{config.n_ctx // config.n_parallel}/slot {config.type_k.value}/{config.type_v.value} "
+             f"fa-{config.flash_attn.value}")
+    return label + (f" spec-{config.spec_mode.value}" if config.spec_mode.value != "off" else "")
 
 
 def rows_from_study(study: Any, objective: Objective = Objective.aggregate) -> list[TrialRow]:
@@ -317,16 +327,20 @@ def latency_section(winner: TrialRow | None) -> list[str]:
 
 
 def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context: dict[str, Any],
-             plot_name: str, capacity_plot: str | None = None, summary: str | None = None) -> str:
+             plot_name: str, capacity_plot: str | None = None, summary: str | None = None,
+             kept: str | None = None) -> str:
     """The report; `summary` (the tuner's pick line, with the confirmed figures) replaces the winner's line
-    drawn from the study's single measurements."""
+    drawn from the study's single measurements; `kept` (in place: why the served config stays) replaces the
+    winner section, and the latency table is then the search's best trial's."""
     baseline = next((r for r in rows if r.is_baseline), None)
     front = pareto_front(rows)
     out = ["# Tuning report", ""]
     out += [f"- {k}: {v}" for k, v in context.items()]
     out += ["", f"![Pareto front]({plot_name})", "", "## Winner", ""]
     traffic = any(r.result.workload for r in rows)
-    if winner is None:
+    if kept is not None:
+        out.append(f"None: {kept}." + (f" The search's best trial, {winner.number}, is below." if winner else ""))
+    elif winner is None:
         out.append(no_pick(rows))
     elif summary:
         out.append(f"`{winner.label()}`: {summary}.")

@@ -15,8 +15,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic progress table with our columns
@@ -301,7 +302,9 @@ def finish(*, opts: SearchOptions, session: Session, storage: Any, study_name: s
     confirmed: Confirmation | None = None
     if winner is not None and opts.confirm_rounds > 0:
         confirmed = confirm_pick(opts, rows, winner, base, settings, study_name, session.app)
-        winner = confirmed.row if confirmed is not None else winner
+        winner = confirmed.row if confirmed is not None and confirmed.row is not None else winner
+    if confirmed is not None and confirmed.verdict.keeps_served:
+        return keep_served(opts, rows, winner, confirmed, context, out_dir)
     report.plot(rows, winner, out_dir / "pareto.png")
     capacity_plot = "capacity.png" if opts.min_stream_tok_s is not None and report.plot_capacity(
         rows, opts.min_stream_tok_s, out_dir / "capacity.png") else None
@@ -337,6 +340,21 @@ def finish(*, opts: SearchOptions, session: Session, storage: Any, study_name: s
     result = apply_to_serve(tuned, app_name=opts.app_name, address=opts.serve_address)
     print(f"live apply: {result.message}")
     session.settled = result.applied
+    return 0
+
+
+def keep_served(opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None, confirmed: Confirmation,
+                context: dict[str, Any], out_dir: Path) -> int:
+    """In place, when no candidate beat the config served now: the report says so, and nothing is written
+    or applied (the replicas keep serving as they are)."""
+    from tuning import report
+
+    summary = confirmed.summary(opts.objective)
+    report.plot(rows, best, out_dir / "pareto.png")
+    text = report.markdown(rows, best, opts.prefer.value, context, "pareto.png", kept=summary)
+    (out_dir / "report.md").write_text(text.replace("\n## Pareto front", f"\n{confirmed.section}\n## Pareto front", 1))
+    print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
+    print(f"pick: {summary}. Nothing written or applied.")
     return 0
 
 
@@ -384,9 +402,10 @@ def confirmation_candidates(rows: list[TrialRow], winner: TrialRow, base: Engine
 
 @dataclass(frozen=True)
 class Confirmation:
-    """The confirmation round's outcome: the pick's study row, its confirmed figures, and the report section."""
+    """The confirmation round's outcome: the pick's study row (None: the served config stays, and no trial ran
+    it), its confirmed figures, and the report section."""
 
-    row: TrialRow
+    row: TrialRow | None
     verdict: Verdict
     reference: Candidate  # what the ratios are paired against
     rounds: int
@@ -402,6 +421,14 @@ class Confirmation:
         pick = self.verdict.pick
         against = ("the article baseline" if self.reference.is_baseline else
                    f"trial {self.reference.number}, the search's pick (the baseline did not run)")
+        if self.verdict.keeps_served:
+            best = self.verdict.runner_up  # the best of the others
+            found = (f"; the best other, {best.candidate.name}, measured {best.median(self.verdict.metric):.3f}x "
+                     f"against {pick.median(self.verdict.metric):.3f}x for the served config"
+                     if best is not None else "")
+            return (f"the served config stays: no candidate beat it over {self.rounds} interleaved confirmation "
+                    f"rounds ({'single stream' if self.verdict.metric == 'single' else objective.label} ratios to "
+                    f"{against}{found})")
         if pick.candidate == self.reference:
             return f"confirmed over {self.rounds} interleaved rounds (no other candidate beat it)"
         noise = " (within noise of the runner-up)" if self.verdict.within_noise else ""
@@ -421,6 +448,8 @@ def confirm_pick(opts: SearchOptions, rows: list[TrialRow], winner: TrialRow, ba
         return None
     candidates = [confirm.Candidate(r.number, r.label(), to_engine_config(r.params, base), r.is_baseline,
                                     memory=r.result.mem_measured or r.result.mem_predicted) for r in chosen]
+    if app is not None:
+        candidates = with_served(candidates, app.serving, settings)
     reference = next((i for i, c in enumerate(candidates) if c.is_baseline), 0)  # else the search's pick
     print(f"confirmation: {len(candidates)} candidates x {opts.confirm_rounds} rounds, interleaved")
     with confirmation_measure(app=app, workload=settings.workload, on_gpu=settings.on_gpu, study=study_name,
@@ -429,10 +458,21 @@ def confirm_pick(opts: SearchOptions, rows: list[TrialRow], winner: TrialRow, ba
         confirmed = confirm.confirm(candidates, reference, opts.confirm_rounds, measure, progress=print)
     verdict = confirm.decide(confirmed, opts.prefer)
     noise = " (within noise)" if verdict.within_noise else ""
-    print(f"confirmed pick: trial {verdict.pick.candidate.number}{noise}")
-    picked = next(r for r in rows if r.number == verdict.pick.candidate.number)
+    print(f"confirmed pick: {verdict.pick.candidate.name}{noise}")
+    picked = next((r for r in rows if r.number == verdict.pick.candidate.number), None)
     section = confirm.markdown(confirmed, verdict, candidates[reference], opts.confirm_rounds, opts.objective.label)
     return Confirmation(picked, verdict, candidates[reference], opts.confirm_rounds, section)
+
+
+def with_served(candidates: list[Candidate], serving: EngineConfig, settings: Any) -> list[Candidate]:
+    """In place, the config the replicas serve now joins the candidates (a pick must beat it): marked on the
+    candidate that is it, else added (trial number -1, its memory predicted from the GGUF header)."""
+    from tuning.report import config_label
+
+    if any(c.config == serving for c in candidates):
+        return [replace(c, is_served=c.config == serving) for c in candidates]
+    memory = predict(settings.shape, serving, settings.on_gpu).total
+    return [*candidates, Candidate(-1, config_label(serving), serving, memory=memory, is_served=True)]
 
 
 @contextlib.contextmanager
