@@ -42,12 +42,15 @@ from serving.api import APIError
 from serving.config import EngineConfig, available_cpus, default_threads, load_engine_config
 from serving.control import DEPLOYMENT_NAME, ConfigChannel, ConfigFollower
 from serving.engine import Engine
+from serving.errors import EngineError
 from serving.ingress import HealthReport, OpenAIIngress
 from serving.metrics import CONTENT_TYPE, ReplicaMetrics
 from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middleware
 from serving.relay import RelayedPart, RelayedRequest, run_relayed
 from serving.request import SamplingParams
 from serving.routing import IN_TRIAL, ROUTER, ROUTING_STATS_PERIOD_S
+from serving.slot_files import (SlotAction, SlotFileBody, erased_answer, restored_answer, saved_answer,
+                                slot_file)
 from serving.traffic import TrafficSummary, merge_summaries
 from serving.trials import Measure, TrialHost, TrialRun
 
@@ -62,6 +65,7 @@ INTERVAL_MS = 50.0  # stream_interval_ms=auto where HTTP work has a core of its 
 CPU_BOUND_INTERVAL_MS = 200.0  # ... and where the decode threads take every core (docs/performance.md)
 LOAD_FAILED = "the model failed to load; the reason is in the server log"
 TRAFFIC_DEADLINE_S = 5.0  # /traffic waits this long for every replica's summary
+SLOT_WAIT_S = 60.0  # a slot file action waits this long for its slot to be idle
 
 
 def _n_parallel_limit() -> int:
@@ -95,6 +99,15 @@ class ServerOptions(BaseModel):
                                   "this long is over: the replica goes back to its serving config")
     traffic_record: int = Field(4096, ge=1, description="finished client requests whose shapes (token counts, "
                                 "kind, arrival time; never text) each replica keeps for /traffic")
+    slot_save_path: Path | None = Field(None, description="directory of slot files (POST /slots/{id}?action="
+                                        "save|restore|erase, llama-server's --slot-save-path), on each replica's "
+                                        "node; none: those answer 501")
+
+    @field_validator("slot_save_path", mode="after")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        """Replicas may run in another working directory than the one the app was built in."""
+        return value.expanduser().resolve() if value is not None else None
 
     @field_validator("cors_origins", mode="before")
     @classmethod
@@ -392,6 +405,31 @@ class LlamaServer(OpenAIRoutes):
     async def slots(self) -> dict[str, Any]:
         """Slots, queue, counters and the running config, like llama-server's /slots plus /props."""
         return {"replica": self._replica, **self.ready_engine().stats(), "tuning": self._trials.state()}
+
+    @api.post("/slots/{slot_id}", responses=ERROR_RESPONSES)
+    async def slot_action(self, slot_id: int, action: SlotAction, body: SlotFileBody | None = None
+                          ) -> dict[str, Any]:
+        """llama-server's slot files: `save` a slot's cells and tokens to a file of the slot directory,
+        `restore` one into a slot, `erase` a slot. Waits for that slot to be idle (new requests wait
+        meanwhile; running ones go on), and for an in-place trial to give the engine back."""
+        path = slot_file(self._options.slot_save_path, body, action)
+        try:
+            async with self.engine_turn() as engine:
+                if path is None:
+                    return erased_answer(slot_id, await asyncio.to_thread(engine.erase_slot, slot_id, SLOT_WAIT_S))
+                if action is SlotAction.save:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    done = await asyncio.to_thread(engine.save_slot, slot_id, path, SLOT_WAIT_S)
+                    return saved_answer(done.slot_id, done.filename, done.n_tokens, done.n_bytes, done.ms)
+                done = await asyncio.to_thread(engine.restore_slot, slot_id, path, SLOT_WAIT_S)
+                return restored_answer(done.slot_id, done.filename, done.n_tokens, done.n_bytes, done.ms)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="slot_id" if "slot id" in str(exc) else "filename") from None
+        except TimeoutError:
+            raise APIError(503, f"slot {slot_id} stayed busy for {SLOT_WAIT_S:.0f} s: retry later",
+                           type_="server_error", code="slot_busy", headers={"Retry-After": "5"}) from None
+        except (EngineError, OSError) as exc:
+            raise APIError(500, f"the slot file could not be written or read: {exc}", type_="server_error") from None
 
     @api.get("/props", responses=ERROR_RESPONSES)
     async def props(self) -> dict[str, Any]:

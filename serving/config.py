@@ -134,6 +134,8 @@ class EngineConfig(BaseModel):
     n_threads: int | None = Field(None, ge=1, description="decode threads [-t]; default: llama.cpp's choice")
     n_threads_batch: int | None = Field(None, ge=1, description="prompt threads [-tb]; default: n_threads")
     seed: int = Field(-1, description="default sampling seed for requests that set none; -1 = random")
+    cache_ram_mib: int = Field(8192, ge=0, description="host RAM for the states of prompts that lost their slot, "
+                               "restored when their conversation returns; 0 = off [--cache-ram]")
     spec_mode: SpecMode = Field(SpecMode.off, description="speculative decoding: off | ngram (prompt lookup) | "
                                 "draft (a draft model)")
     spec_draft_max: int = Field(16, ge=1, le=64, description="most tokens guessed per step [--draft-max]")

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 # first: loads ray, then libllama (see serving/llama.py)
@@ -38,6 +39,7 @@ from serving.chat_template import ChatTemplate  # noqa: E402
 from serving.config import EngineConfig, default_threads  # noqa: E402
 from serving.errors import EngineError, EngineStoppedError, PromptTooLongError, QueueFullError  # noqa: E402
 from serving.output import OutputProcessor  # noqa: E402
+from serving.prompt_cache import PromptCache  # noqa: E402
 from serving.repack import use_extra_bufts  # noqa: E402
 from serving.request import Request, RequestHandle, SamplingParams  # noqa: E402
 from serving.scheduler import RequestOutput, Scheduler  # noqa: E402
@@ -53,10 +55,23 @@ JOIN_TIMEOUT_S = 30.0
 
 @dataclass
 class _Command:
-    """Work for the step thread once every slot is idle (a reconfigure, a scoring pass)."""
+    """Work for the step thread once `ready` says so (default: every slot idle: a reconfigure, a scoring
+    pass; a slot file waits for its slot alone)."""
 
     run: Callable[[], Any]
     future: concurrent.futures.Future[Any]
+    ready: Callable[[], bool] | None = None
+
+
+@dataclass(frozen=True)
+class SlotFile:
+    """What a slot save or restore moved (llama-server's /slots/{id}?action=... answer)."""
+
+    slot_id: int
+    filename: str
+    n_tokens: int
+    n_bytes: int
+    ms: float
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,7 @@ class EngineStats:
     queue_depth: int
     counters: dict[str, int]
     spec_acceptance: float | None = None  # accepted / drafted guesses since start; None before any guess
+    prompt_cache: dict[str, int] | None = None  # the host-RAM prompt cache's counts; None when off
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,7 +122,7 @@ class Engine:
             self._model.free()
             raise
         self._scheduler = Scheduler(self._ctx, config.n_parallel, config.seed, config.speculation,
-                                    draft=self._draft_ctx)
+                                    draft=self._draft_ctx, prompt_cache=prompt_cache_for(config, None))
         self._traffic = TrafficRecord(traffic_limit)
         self._traffic_lock = threading.Lock()  # the step thread adds, routes read (see the module docstring)
         self._outputs = OutputProcessor(self._model.token_bytes, on_shape=self._record_shape)
@@ -210,11 +226,13 @@ class Engine:
         slots = [{**asdict(v), "state": v.state.value} for v in views]
         counters = asdict(self._scheduler.counters)
         drafted = counters["spec_drafted"]
+        cache = self._scheduler.prompt_cache
         return EngineStats(
             config=self.config.to_yaml_dict(), n_ctx_slot=self._n_ctx_slot, weight_loads=self.weight_loads,
             slots=slots, slots_busy=sum(1 for v in views if v.request_id is not None),
             queue_depth=self.queue_depth, counters=counters,
-            spec_acceptance=counters["spec_accepted"] / drafted if drafted else None)
+            spec_acceptance=counters["spec_accepted"] / drafted if drafted else None,
+            prompt_cache=asdict(cache.stats()) if cache is not None else None)
 
     def traffic_summary(self, replica: str = "") -> TrafficSummary:
         """The client traffic this engine has served, as a value (any thread)."""
@@ -250,6 +268,22 @@ class Engine:
         measures by how much. Runs between requests on slot 0 (drained first), then frees that slot.
         """
         return self._when_drained(lambda: self._nll(tokens), timeout)
+
+    def save_slot(self, slot_id: int, path: Path, timeout: float | None = None) -> SlotFile:
+        """Slot `slot_id`'s cells and tokens to `path` (llama.cpp's sequence state file), once that slot is
+        idle; the other slots go on. ValueError for a slot id out of range; EngineError when the file could
+        not be written."""
+        return self._when_slot_idle(slot_id, lambda: self._save_slot(slot_id, path), timeout)
+
+    def restore_slot(self, slot_id: int, path: Path, timeout: float | None = None) -> SlotFile:
+        """A file `save_slot` wrote, into slot `slot_id` once it is idle: a prompt extending its tokens then
+        prefills only the rest. ValueError for a slot id out of range or a file this model and context
+        cannot load (the slot is then empty)."""
+        return self._when_slot_idle(slot_id, lambda: self._restore_slot(slot_id, path), timeout)
+
+    def erase_slot(self, slot_id: int, timeout: float | None = None) -> int:
+        """Empty slot `slot_id`'s cells once it is idle; how many tokens it held."""
+        return self._when_slot_idle(slot_id, lambda: self._erase_slot(slot_id), timeout)
 
     def close(self) -> None:
         """Stop the step thread; it fails what is still queued or running and frees llama.cpp's memory.
@@ -304,15 +338,28 @@ class Engine:
             wait = (queued + 1) / rate if rate > 0 else 1.0
             raise QueueFullError(queued, self.max_queued, max(1, min(60, math.ceil(wait))))
 
-    def _when_drained(self, run: Callable[[], Any], timeout: float | None) -> Any:
-        """Run `run` on the step thread once no slot is busy (admission pauses meanwhile); wait for it.
+    def _when_slot_idle(self, slot_id: int, run: Callable[[], Any], timeout: float | None) -> Any:
+        n_slots = self.config.n_parallel
+        if not 0 <= slot_id < n_slots:
+            raise ValueError(f"slot id {slot_id} is out of range: this server has slots 0 to {n_slots - 1}")
+
+        def idle() -> bool:  # out of range after a reconfigure: ready, and the command says so
+            slots = self._scheduler.slots
+            return slot_id >= len(slots) or slots[slot_id].request is None
+
+        return self._when_drained(run, timeout, ready=idle)
+
+    def _when_drained(self, run: Callable[[], Any], timeout: float | None,
+                      ready: Callable[[], bool] | None = None) -> Any:
+        """Run `run` on the step thread once no slot is busy, or once `ready` says so (admission pauses
+        meanwhile); wait for it.
 
         On timeout a command that has not started is withdrawn (nothing changed; TimeoutError); one that
         has started is waited for, since a half-done rebuild cannot be walked away from.
         """
         if self._stopping or self._stopped:
             raise EngineStoppedError(SHUTTING_DOWN)
-        command = _Command(run, concurrent.futures.Future())
+        command = _Command(run, concurrent.futures.Future(), ready)
         self._commands.put(command)
         self._wake.set()
         try:
@@ -377,16 +424,18 @@ class Engine:
                 break
         self._pending = [c for c in self._pending if not c.future.cancelled()]
         self._scheduler.admitting = not self._pending
-        if not self._pending or not self._scheduler.drained:
+        if not self._pending:
             return
-        for command in self._pending:
+        drained = self._scheduler.drained
+        runnable = [c for c in self._pending if (c.ready() if c.ready is not None else drained)]
+        for command in runnable:
             if command.future.set_running_or_notify_cancel():
                 try:
                     command.future.set_result(command.run())
                 except Exception as exc:
                     command.future.set_exception(exc)
-        self._pending = []
-        self._scheduler.admitting = True
+        self._pending = [c for c in self._pending if c not in runnable]
+        self._scheduler.admitting = not self._pending
 
     def _shut_down(self) -> None:
         """The step thread's last act: fail everything still here, then free llama.cpp's memory."""
@@ -405,6 +454,37 @@ class Engine:
             model.free()
 
     # -- commands (run on the step thread, slots idle) -----------------------------------------------
+    def _slot_in_range(self, slot_id: int) -> None:
+        if slot_id >= len(self._scheduler.slots):
+            raise ValueError(f"slot id {slot_id} is out of range after a reconfigure: this server has slots 0 "
+                             f"to {len(self._scheduler.slots) - 1}")
+
+    def _save_slot(self, slot_id: int, path: Path) -> SlotFile:
+        self._slot_in_range(slot_id)
+        t0 = time.perf_counter()
+        tokens = self._scheduler.slot_tokens(slot_id)
+        written = self._ctx.save_seq_file(slot_id, path, tokens)
+        if written == 0:
+            raise EngineError(f"llama.cpp could not write slot {slot_id}'s state to {path.name}")
+        return SlotFile(slot_id, path.name, len(tokens), written, (time.perf_counter() - t0) * 1000)
+
+    def _restore_slot(self, slot_id: int, path: Path) -> SlotFile:
+        self._slot_in_range(slot_id)
+        t0 = time.perf_counter()
+        self._scheduler.reset_slot(slot_id)
+        tokens = self._ctx.load_seq_file(slot_id, path)
+        if tokens is None:
+            raise ValueError(f"{path.name} is not a slot state this model and config can load (another model, "
+                             "other cache types or slot count, or not a slot file)")
+        self._scheduler.restored_slot(slot_id, tokens)
+        return SlotFile(slot_id, path.name, len(tokens), path.stat().st_size, (time.perf_counter() - t0) * 1000)
+
+    def _erase_slot(self, slot_id: int) -> int:
+        self._slot_in_range(slot_id)
+        n = len(self._scheduler.slot_tokens(slot_id))
+        self._scheduler.reset_slot(slot_id)
+        return n
+
     def _nll(self, tokens: list[int], chunk: int = 256) -> float:
         ctx, seq = self._ctx, 0
         tokens = tokens[: self._n_ctx_slot]
@@ -489,6 +569,7 @@ class Engine:
             self._outputs.rebind(model.token_bytes)
         self._ctx, self.config, self._n_ctx_slot = ctx, config, ctx.n_ctx_seq
         self._draft_ctx = draft_ctx
+        self._scheduler.prompt_cache = prompt_cache_for(config, self._scheduler.prompt_cache)
         self._scheduler.rebind(ctx, config.n_parallel, config.seed, config.speculation, draft=draft_ctx)
 
     def _draft_context(self, config: EngineConfig, model: LlamaModel) -> LlamaContext | None:
@@ -534,3 +615,15 @@ def _drain(commands: queue.SimpleQueue[_Command]) -> list[_Command]:
 
 
 __all__ = ["Engine", "EngineError", "EngineStats", "PromptTooLongError"]
+
+
+def prompt_cache_for(config: EngineConfig, current: PromptCache | None) -> PromptCache | None:
+    """The prompt cache `config` asks for (None: cache_ram_mib 0); the current one is kept, with its counters,
+    at the new size (the scheduler empties it with the context it came from)."""
+    if config.cache_ram_mib == 0:
+        return None
+    limit = config.cache_ram_mib * 2**20
+    if current is None:
+        return PromptCache(limit)
+    current.limit_bytes = limit
+    return current

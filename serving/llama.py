@@ -426,6 +426,43 @@ class LlamaContext:
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
 
+    def save_seq(self, seq_id: int) -> bytearray:
+        """A slot's K/V cells as llama.cpp's per-sequence state (`llama_state_seq_get_data`): restorable into
+        any slot of this context (serving/prompt_cache.py). llama.cpp writes straight into the returned
+        buffer: a state can be hundreds of MB, and a second copy would double the step thread's wait."""
+        size = int(ll.llama_state_seq_get_size(self.ptr, seq_id))
+        state = bytearray(size)
+        written = int(ll.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(state), size,
+                                                  seq_id))
+        if written != size:
+            raise EngineError(f"llama.cpp wrote {written} of the {size} bytes of slot {seq_id}'s state")
+        return state
+
+    def load_seq(self, seq_id: int, state: bytearray) -> bool:
+        """Restore a state `save_seq` made into (empty) slot `seq_id`, read in place; False when llama.cpp
+        refuses it (it then leaves the slot empty)."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        return int(ll.llama_state_seq_set_data(self.ptr, buf, len(state), seq_id)) > 0
+
+    def save_seq_file(self, seq_id: int, path: Path, tokens: Sequence[int]) -> int:
+        """A slot's state and its tokens to a file (`llama_state_seq_save_file`, llama-server's slot save
+        format); the bytes written, 0 when llama.cpp could not write it."""
+        array = (ll.llama_token * len(tokens))(*tokens)
+        return int(ll.llama_state_seq_save_file(self.ptr, str(path).encode(), seq_id, array, len(tokens)))
+
+    def load_seq_file(self, seq_id: int, path: Path) -> list[int] | None:
+        """A state `save_seq_file` wrote, into (empty) slot `seq_id`: the tokens its cells now hold, None when
+        llama.cpp refuses the file (not a state file, one of another model or context layout, longer than a
+        slot); the slot is then empty."""
+        tokens = (ll.llama_token * self.n_ctx_seq)()
+        count = ctypes.c_size_t(0)
+        read = int(ll.llama_state_seq_load_file(self.ptr, str(path).encode(), seq_id, tokens, self.n_ctx_seq,
+                                                ctypes.byref(count)))
+        if read == 0:
+            ll.llama_memory_seq_rm(self.memory, seq_id, 0, -1)
+            return None
+        return list(tokens[:count.value])
+
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
         """log-softmax of the raw logits of `row`: the chosen token's value and the `top_n` best."""
         logits = self.logits(row)

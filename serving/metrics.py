@@ -75,6 +75,15 @@ class ReplicaMetrics:
             "accepted": prom.Counter("llm_spec_accepted_tokens", "Speculative guesses kept.", labels, registry=reg),
             "acceptance": prom.Gauge("llm_spec_acceptance_rate", "Guesses kept / verified, since the engine started.",
                                      labels, registry=reg),
+            "cache_hits": prom.Counter("llm_prompt_cache_hits", "Prompts whose saved state was restored from host "
+                                       "RAM into a slot.", labels, registry=reg),
+            "cache_hit_tokens": prom.Counter("llm_prompt_cache_hit_tokens", "Prompt tokens restored from host RAM "
+                                             "instead of prefilled.", labels, registry=reg),
+            "cache_evictions": prom.Counter("llm_prompt_cache_evictions", "Saved prompt states dropped to stay "
+                                            "within cache_ram_mib.", labels, registry=reg),
+            "cache_bytes": prom.Gauge("llm_prompt_cache_bytes", "Host RAM held by saved prompt states.", labels,
+                                      registry=reg),
+            "cache_entries": prom.Gauge("llm_prompt_cache_entries", "Saved prompt states.", labels, registry=reg),
         }
         tags = ("model",)
         # Ray annotates tag_keys as a one-element tuple; any length works (hence two type: ignore below)
@@ -111,8 +120,18 @@ class ReplicaMetrics:
                                             tag_keys=tags),
             "acceptance": ray_metrics.Gauge("llm_spec_acceptance_rate", description="Guesses kept / verified, "
                                             "since the engine started.", tag_keys=tags),
+            "cache_hits": ray_metrics.Counter("llm_prompt_cache_hits", description="Prompts whose saved state "
+                                              "was restored from host RAM into a slot.", tag_keys=tags),
+            "cache_hit_tokens": ray_metrics.Counter("llm_prompt_cache_hit_tokens", description="Prompt tokens "
+                                                    "restored from host RAM instead of prefilled.", tag_keys=tags),
+            "cache_evictions": ray_metrics.Counter("llm_prompt_cache_evictions", description="Saved prompt states "
+                                                   "dropped to stay within cache_ram_mib.", tag_keys=tags),
+            "cache_bytes": ray_metrics.Gauge("llm_prompt_cache_bytes", description="Host RAM held by saved "
+                                             "prompt states.", tag_keys=tags),
+            "cache_entries": ray_metrics.Gauge("llm_prompt_cache_entries", description="Saved prompt states.",
+                                               tag_keys=tags),
         }
-        self._spec_seen = {"drafted": 0, "accepted": 0}  # the engine's totals at the last snapshot
+        self._seen: dict[str, int] = {}  # the engine's totals at the last snapshot, by counter
 
     def _labels(self, **extra: str) -> tuple[dict[str, str], dict[str, str]]:
         """(prometheus labels, Ray tags) for the current model."""
@@ -164,6 +183,7 @@ class ReplicaMetrics:
             self._prom[name].labels(**labels).set(value)
             self._ray[name].set(value, tags=tags)
         self._record_speculation(stats)
+        self._record_prompt_cache(stats)
         config = stats["config"]
         self._prom["config"].clear()
         self._prom["config"].labels(**labels, **{k: str(config.get(k, "")) for k in CONFIG_LABELS}).set(1)
@@ -172,16 +192,33 @@ class ReplicaMetrics:
         """The engine counts guesses since it started; the counters here grow by what it counted since the
         last snapshot (all of it after an engine restart, whose totals start again)."""
         counters = stats["counters"]
-        for name, key in (("drafted", "spec_drafted"), ("accepted", "spec_accepted")):
-            total, seen = counters[key], self._spec_seen[name]
-            delta = total - seen if total >= seen else total
-            if delta:
-                self._inc(name, delta)
-            self._spec_seen[name] = total
+        self._grow("drafted", counters["spec_drafted"])
+        self._grow("accepted", counters["spec_accepted"])
         if stats.get("spec_acceptance") is not None:
             labels, tags = self._labels()
             self._prom["acceptance"].labels(**labels).set(stats["spec_acceptance"])
             self._ray["acceptance"].set(stats["spec_acceptance"], tags=tags)
+
+    def _record_prompt_cache(self, stats: dict[str, Any]) -> None:
+        cache = stats.get("prompt_cache")
+        if cache is None:
+            return
+        self._grow("cache_hits", cache["hits"])
+        self._grow("cache_hit_tokens", cache["hit_tokens"])
+        self._grow("cache_evictions", cache["evictions"])
+        labels, tags = self._labels()
+        for name, key in (("cache_bytes", "bytes"), ("cache_entries", "entries")):
+            self._prom[name].labels(**labels).set(cache[key])
+            self._ray[name].set(cache[key], tags=tags)
+
+    def _grow(self, name: str, total: int) -> None:
+        """Counter `name` grows by what the engine's `total` gained since the last snapshot (all of it after
+        an engine restart, whose totals start again)."""
+        seen = self._seen.get(name, 0)
+        delta = total - seen if total >= seen else total
+        if delta:
+            self._inc(name, delta)
+        self._seen[name] = total
 
     def exposition(self, stats: dict[str, Any] | None = None) -> bytes:
         """Prometheus text format of this replica's metrics; gauges refreshed from `stats` when given."""

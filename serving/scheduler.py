@@ -6,7 +6,9 @@ one token for every slot whose last batch row produced logits. Requests join and
 
 A slot keeps the tokens of its last request in the K/V cache after it finishes; a new request goes to the
 free slot whose cache shares the longest prefix with its prompt, and only the rest is prefilled. This is
-what makes a follow-up chat turn cheap.
+what makes a follow-up chat turn cheap. With a host-RAM prompt cache (serving/prompt_cache.py, llama-server's
+--cache-ram), a slot's state is saved before an unrelated prompt drops its cells, and a prompt that extends a
+saved state further than any slot's cache gets it restored into the least recently used slot.
 
 The scheduler never touches text, handles or threads (vLLM v1's split): it reaches llama.cpp only through
 the small `ModelContext` protocol, and reports each step as a list of typed `RequestOutput`s that the
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from serving.prompt_cache import CachedPrompt, PromptCache, common_prefix
 from serving.request import FinishReason, Request, SamplingParams, TokenLogprob, Usage
 from serving.speculate import (
     Acceptance, DraftContext, Drafter, ModelDrafter, PromptLookup, SpecSettings, StepCosts, could_pay, draft_length,
@@ -36,6 +39,10 @@ log = logging.getLogger(__name__)
 # micro-batch while they run together, _pick_slot): 1024 tokens of a 27B-class prompt prefill in ~0.35 s on
 # the H200 (~2,900 tok/s), about what ~35 split decode steps lose.
 SPLIT_WORTH = 1024
+# A slot's cached prefix counts for the slot choice only when it is more than this share of the prompt (as
+# llama-server's --slot-prompt-similarity, 0.1 by default): a few shared tokens ("Conversation", a chat
+# template's opening) must not make a new prompt overwrite a long history it does not continue.
+SLOT_PROMPT_SIMILARITY = 0.1
 DECODE_FAILED = "the model failed to evaluate this request's batch (llama_decode error {rc}); retry it"
 SAMPLER_FAILED = "sampling the next token failed for this request"
 TOO_MANY_CHOICES = "{n} choices need {n} slots at once, but this server has {slots}: ask for fewer"
@@ -69,6 +76,10 @@ class ModelContext(DraftContext, Protocol):
     def is_eog(self, token: int) -> bool: ...
 
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob: ...
+
+    def save_seq(self, seq_id: int) -> bytearray: ...
+
+    def load_seq(self, seq_id: int, state: bytearray) -> bool: ...
 
 
 class SlotState(str, Enum):
@@ -155,7 +166,8 @@ class Scheduler:
 
     def __init__(self, ctx: ModelContext, n_parallel: int, default_seed: int,
                  spec: SpecSettings | None = None, clock: Callable[[], float] = time.perf_counter,
-                 draft: DraftContext | None = None) -> None:
+                 draft: DraftContext | None = None, prompt_cache: PromptCache | None = None) -> None:
+        self.prompt_cache = prompt_cache  # None: off
         self.waiting: collections.deque[list[Request]] = collections.deque()  # groups: a request's choices
         self.admitting = True  # the engine pauses admission while a command waits for the slots to drain
         self.counters = Counters()
@@ -168,8 +180,11 @@ class Scheduler:
     def rebind(self, ctx: ModelContext, n_parallel: int, default_seed: int,
                spec: SpecSettings | None = None, draft: DraftContext | None = None) -> None:
         """Use a (new) context, and the draft model's context when speculation guesses with one; all slots
-        start empty. Only called while no slot is busy."""
+        start empty, and so does the prompt cache (its states fit only the context that made them). Only called
+        while no slot is busy."""
         self._ctx, self._seed, self._spec = ctx, default_seed, spec
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
         self.slots = [Slot(seq_id=i) for i in range(n_parallel)]
         self._draft_model = (ModelDrafter(draft, n_parallel, spec.p_min, self._clock) if draft is not None and spec
                              else None)
@@ -388,8 +403,14 @@ class Scheduler:
     def _start(self, group: list[Request], free: list[Slot]) -> list[RequestOutput]:
         """Assign a request's choices: the first prefills (reusing the best cached prefix), the others copy."""
         leader_request, *others = group
-        leader, shared = self._pick_slot(free, leader_request.prompt_tokens)
+        prompt = leader_request.prompt_tokens
+        leader, shared = self._pick_slot(free, prompt)
+        saved = self._saved_state(prompt, shared)
+        if saved is not None:  # a saved state beats every slot: into the slot nothing better would claim
+            leader, _ = self._pick_slot(free, [])
         free.remove(leader)
+        if saved is not None:
+            shared = self._restore(leader, *saved)
         if not self._try_assign(leader, leader_request, shared):
             self.counters.requests_failed += len(others)
             return [self._end(leader, FinishReason.error, SAMPLER_FAILED)] + [
@@ -423,20 +444,65 @@ class Scheduler:
         as two graph runs a step, each costing about a whole step (H200, 27B-class, 4 slots: two streams on
         slots apart gave 0.52x the aggregate of two adjacent ones, scripts/bench_agreement.py). A slot that
         splits the busy ones into more runs is taken only for a cached prefix of SPLIT_WORTH tokens or more.
-        Then: the longest cached prefix, then (no prefix to reuse) the least recently used slot."""
+        Then: the longest cached prefix over SLOT_PROMPT_SIMILARITY of the prompt, then (no prefix worth
+        reusing) the least recently used slot."""
         busy = {s.seq_id for s in self.slots if s.request is not None}
         runs = {s.seq_id: _runs(busy | {s.seq_id}) for s in free}
         fewest = min(runs.values())
-        scored = [(_common_prefix(s.cache, prompt), s) for s in free]
+        least = SLOT_PROMPT_SIMILARITY * len(prompt)
+        scored = [(shared if shared > least else 0, s) for s in free for shared in [common_prefix(s.cache, prompt)]]
         allowed = [(shared, s) for shared, s in scored if runs[s.seq_id] == fewest or shared >= SPLIT_WORTH]
         shared, best = max(allowed, key=lambda p: (p[0], -runs[p[1].seq_id], -p[1].last_used))
         if shared == 0:
             best = min((s for _, s in allowed if runs[s.seq_id] == fewest), key=lambda s: s.last_used)
         return best, shared
 
+    def _saved_state(self, prompt: list[int], shared: int) -> tuple[CachedPrompt, int] | None:
+        """The prompt cache's state for `prompt` when it shares at least min_tokens more than the best slot's
+        `shared` (restoring costs a copy of the state; prefilling fewer tokens than that is cheaper)."""
+        cache = self.prompt_cache
+        if cache is None:
+            return None
+        found = cache.best(prompt)
+        if found is None or found[1] < shared + cache.min_tokens:
+            return None
+        return found
+
+    def _restore(self, slot: Slot, entry: CachedPrompt, shared: int) -> int:
+        """Put a saved state into `slot` (saving what the slot held first, if worth keeping); the prefix it
+        now shares with the prompt, 0 when llama.cpp refused the state (the slot is then empty)."""
+        cache = self.prompt_cache
+        assert cache is not None
+        self._save(slot)
+        self._ctx.forget(slot.seq_id)
+        slot.cache.clear()
+        if not self._ctx.load_seq(slot.seq_id, entry.state):
+            log.warning("a saved prompt state (%d tokens) could not be restored into slot %d: dropped",
+                        len(entry.tokens), slot.seq_id)
+            self._ctx.forget(slot.seq_id)
+            cache.discard(entry)
+            return 0
+        slot.cache = list(entry.tokens)
+        cache.restored(entry, shared)
+        return shared
+
+    def _save(self, slot: Slot) -> None:
+        """Keep a slot's state in the prompt cache before its cells are dropped (when worth it)."""
+        cache = self.prompt_cache
+        if cache is None or not cache.worth_saving(slot.cache):
+            return
+        try:
+            state = self._ctx.save_seq(slot.seq_id)
+        except Exception:  # the state is an optimisation: serving goes on without it
+            log.exception("saving slot %d's state (%d tokens) failed", slot.seq_id, len(slot.cache))
+            return
+        cache.put(slot.cache, state)
+
     def _assign(self, slot: Slot, request: Request, shared: int) -> None:
         prompt = request.prompt_tokens
         reuse = min(shared, len(prompt) - 1)  # decode >= 1 token so the prompt's last logits exist
+        if self.prompt_cache is not None and len(slot.cache) - reuse >= self.prompt_cache.min_tokens:
+            self._save(slot)
         self._ctx.forget(slot.seq_id, reuse)
         del slot.cache[reuse:]
         params = request.params
@@ -535,9 +601,20 @@ class Scheduler:
         return outputs
 
     def reset_slot(self, seq_id: int) -> None:
-        """Empty an idle slot's cache (the engine borrows slot cells for scoring)."""
+        """Empty an idle slot's cache (the engine borrows slot cells for scoring, and restores slot files)."""
         self._ctx.forget(seq_id)
         self.slots[seq_id].cache.clear()
+
+    def slot_tokens(self, seq_id: int) -> list[int]:
+        """The tokens an idle slot's cells hold (what a slot file saves)."""
+        return list(self.slots[seq_id].cache)
+
+    def restored_slot(self, seq_id: int, tokens: list[int]) -> None:
+        """An idle slot's cells were loaded from a file and now hold `tokens`: the next prompt extending them
+        finds them, as any cached prefix."""
+        slot = self.slots[seq_id]
+        slot.cache = list(tokens)
+        slot.last_used = time.perf_counter()
 
     def abort(self, message: str, waiting_too: bool) -> list[RequestOutput]:
         """End running requests (and, on shutdown, waiting ones) with an error; reset every slot's cache.
@@ -574,10 +651,3 @@ def _runs(seq_ids: set[int]) -> int:
     """Runs of consecutive ids in `seq_ids`: the micro-batches a step over those slots is decoded in."""
     return sum(1 for i in seq_ids if i - 1 not in seq_ids)
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -183,7 +184,13 @@ def ray_session() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def serve_url(ray_session: None) -> str:
+def slot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared app's slot_save_path (POST /slots/{id}?action=...)."""
+    return tmp_path_factory.mktemp("slots")
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_session: None, slot_dir: Path) -> str:
     """The app as `serve run serving.app:main n_parallel=4 n_ctx=4096` builds it, on a free loopback port."""
     from ray import serve
 
@@ -191,7 +198,8 @@ def serve_url(ray_session: None) -> str:
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(main({"n_parallel": N_PARALLEL, "n_ctx": N_CTX, "seed": 1234, "config_poll_s": 0.2}),
+    serve.run(main({"n_parallel": N_PARALLEL, "n_ctx": N_CTX, "seed": 1234, "config_poll_s": 0.2,
+                    "slot_save_path": str(slot_dir)}),
               name="llama", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url)

@@ -136,3 +136,78 @@ def test_score_is_finite_and_quantised_cache_costs_little(engine: Engine) -> Non
     nll = engine.score(tokens)
     assert 0.5 < nll < 12.0
     assert engine.score(tokens) == pytest.approx(nll, abs=1e-6)
+
+
+def test_a_conversation_that_lost_its_slot_comes_back_from_host_ram_with_the_same_answer(engine: Engine) -> None:
+    """Two slots, three conversations: the third takes the first's slot, whose state goes to host RAM; the
+    first's next turn gets it restored and prefills only its new question, and answers token for token as
+    an engine where it never left its slot (four slots, no cache)."""
+    from measure.workload import source_text
+    from serving.engine import Engine
+
+    text = source_text() * 2
+    histories = [f"Conversation {i}.\n" + text[i * 700:i * 700 + 900] for i in range(3)]  # ~240 tokens each
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def converse(on: Engine) -> tuple[list[int], int]:
+        for history in histories:
+            generate(on, history, params)
+        back = collect(on.submit(on.tokenize_prompt(histories[0] + "\nAnd then?"), params))
+        assert back.usage is not None
+        return back.tokens, back.usage.cached_tokens
+
+    two = engine.config.model_copy(update={"n_parallel": 2, "n_ctx": 2048, "cache_ram_mib": 64})
+    hot = Engine(two)
+    try:
+        tokens, cached = converse(hot)
+        cache = hot.stats()["prompt_cache"]
+    finally:
+        hot.close()
+    n_history = len(engine.tokenize_prompt(histories[0]))
+    assert cache["hits"] == 1 and cache["saves"] >= 1 and cache["bytes"] > 0, cache
+    assert cached >= n_history - 2, f"restored {cached} of the {n_history}-token history"
+    wide = Engine(two.model_copy(update={"n_parallel": 4, "n_ctx": 4096, "cache_ram_mib": 0}))
+    try:
+        kept_tokens, kept_cached = converse(wide)
+        assert wide.stats()["prompt_cache"] is None
+    finally:
+        wide.close()
+    assert kept_cached == cached and kept_tokens == tokens
+
+
+def test_slot_files_save_erase_and_restore_into_another_slot(engine: Engine, tmp_path) -> None:  # noqa: ANN001
+    """llama-server's slot save / erase / restore: a slot's cells go to a file and come back into another slot,
+    where a prompt extending them prefills only the rest; a file this context cannot load is refused with a
+    clear error and leaves the slot empty; a slot id out of range is refused before anything waits."""
+    from measure.workload import source_text
+    from serving.config import CacheType
+    from serving.engine import Engine
+
+    prompt = "Slot files.\n" + source_text()[:1000]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    two = Engine(engine.config.model_copy(update={"n_parallel": 2, "n_ctx": 2048}))
+    try:
+        generate(two, prompt, params)
+        held = {s["id"]: s["n_cached"] for s in two.stats()["slots"]}
+        source = max(held, key=lambda i: held[i])
+        saved = two.save_slot(source, tmp_path / "doc.bin")
+        assert saved.n_tokens == held[source] > 200 and saved.n_bytes == (tmp_path / "doc.bin").stat().st_size
+        assert two.erase_slot(source) == saved.n_tokens
+        target = 1 - source
+        restored = two.restore_slot(target, tmp_path / "doc.bin")
+        assert restored.n_tokens == saved.n_tokens and restored.filename == "doc.bin"
+        assert {s["id"]: s["n_cached"] for s in two.stats()["slots"]} == {source: 0, target: saved.n_tokens}
+        back = collect(two.submit(two.tokenize_prompt(prompt + "\nMore."), params))
+        assert back.usage is not None and back.usage.cached_tokens >= len(two.tokenize_prompt(prompt)) - 2
+        (tmp_path / "junk.bin").write_bytes(b"not a slot state" * 64)
+        with pytest.raises(ValueError, match="not a slot state this model and config can load"):
+            two.restore_slot(source, tmp_path / "junk.bin")
+        with pytest.raises(ValueError, match="out of range"):
+            two.save_slot(2, tmp_path / "x.bin")
+        two.reconfigure(two.config.model_copy(update={"type_k": CacheType.q8_0}))  # another cache layout
+        with pytest.raises(ValueError, match="not a slot state"):
+            two.restore_slot(0, tmp_path / "doc.bin")
+        assert all(s["n_cached"] == 0 for s in two.stats()["slots"])
+        assert len(generate(two, "Still serving:", params)[1]) == 4
+    finally:
+        two.close()

@@ -869,3 +869,43 @@ def test_scripted_forced_calls_repeat_only_when_parallel_calls_are_asked_for(scr
     assert scripted.http.post(CHAT, json=body).status_code == 200
     grammar = scripted.engine.params[-1].grammar
     assert grammar.startswith("root ::= block") and ('("\\n" block)' in grammar) == repeats
+
+
+@pytest.mark.serve
+def test_slot_files_over_http_save_erase_restore_and_refuse_bad_input(serve_url: str, slot_dir) -> None:  # noqa: ANN001
+    """POST /slots/{id}?action=save|erase|restore as llama-server answers it (id_slot, n_saved, n_restored,
+    n_erased, timings); a bad filename, an unknown slot or action, a missing or foreign file: OpenAI's error
+    JSON with a 4xx, and the server keeps serving."""
+    prompt = "Slot files over HTTP. " + "The lighthouse keeper counted the ships that passed. " * 12
+    body = {"model": "x", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    with httpx.Client(base_url=serve_url, timeout=120) as http:
+        wait_idle(serve_url)
+        assert http.post("/v1/completions", json=body).status_code == 200
+        slots = http.get("/slots").json()["slots"]
+        source = max(slots, key=lambda s: s["n_cached"])["id"]
+        saved = http.post(f"/slots/{source}", params={"action": "save"}, json={"filename": "lh.bin"})
+        assert saved.status_code == 200, saved.text
+        done = saved.json()
+        assert done["id_slot"] == source and done["n_saved"] > 100 and done["n_written"] > 0
+        assert (slot_dir / "lh.bin").stat().st_size == done["n_written"] and "save_ms" in done["timings"]
+        erased = http.post(f"/slots/{source}", params={"action": "erase"}).json()
+        assert erased == {"id_slot": source, "n_erased": done["n_saved"]}
+        target = (source + 1) % N_PARALLEL
+        restored = http.post(f"/slots/{target}", params={"action": "restore"}, json={"filename": "lh.bin"}).json()
+        assert restored["id_slot"] == target and restored["n_restored"] == done["n_saved"]
+        again = http.post("/v1/completions", json=body).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 2
+        (slot_dir / "junk.bin").write_bytes(b"junk" * 100)
+        refusals = [
+            (f"/slots/{target}", {"action": "save"}, {"filename": "../x.bin"}, 400),
+            (f"/slots/{target}", {"action": "restore"}, {"filename": "nothere.bin"}, 404),
+            (f"/slots/{target}", {"action": "restore"}, {"filename": "junk.bin"}, 400),
+            (f"/slots/{N_PARALLEL}", {"action": "erase"}, None, 400),
+            (f"/slots/{target}", {"action": "explode"}, None, 400),
+            (f"/slots/{target}", {"action": "save"}, None, 400),
+        ]
+        for path, params, payload, status in refusals:
+            resp = http.post(path, params=params, json=payload)
+            assert resp.status_code == status, (path, params, payload, resp.text)
+            assert resp.json()["error"]["message"], resp.text
+        assert http.post("/v1/completions", json=body).status_code == 200

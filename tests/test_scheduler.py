@@ -8,12 +8,14 @@ Its "model" is deterministic: the next token after t is (t + 1) % VOCAB, unless 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
 
 from serving.output import OutputProcessor
+from serving.prompt_cache import PromptCache
 from serving.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams
 from serving.scheduler import DECODE_FAILED, SAMPLER_FAILED, RequestOutput, Scheduler
 
@@ -52,6 +54,8 @@ class FakeContext:
     decodes: int = 0
     eos_after: dict[int, int] = field(default_factory=dict)  # seq -> cache length at which EOS comes
     samplers: list[FakeSampler] = field(default_factory=list)
+    saves: list[int] = field(default_factory=list)  # slots whose state was saved, in order
+    refuse_loads: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -98,6 +102,17 @@ class FakeContext:
 
     def is_eog(self, token: int) -> bool:
         return token == EOS
+
+    def save_seq(self, seq_id: int) -> bytearray:
+        self.saves.append(seq_id)
+        return bytearray(json.dumps(self.kv.get(seq_id, [])).encode())
+
+    def load_seq(self, seq_id: int, state: bytearray) -> bool:
+        if self.refuse_loads:
+            return False
+        assert not self.kv.get(seq_id), "a state is restored into an emptied slot"
+        self.kv[seq_id] = json.loads(state)
+        return True
 
 
 _ids = iter(range(10**9))
@@ -174,6 +189,22 @@ def test_prefix_reuse_picks_the_slot_sharing_the_longest_prefix() -> None:
     same = req([1, 2, 3, 4, 5, 50, 51])  # an identical prompt still decodes its last token for logits
     s.add([same])
     assert ends(run(s, ctx))[same.id].usage.cached_tokens == 6
+
+
+def test_a_few_shared_tokens_do_not_take_a_slot_holding_a_history_the_prompt_does_not_continue() -> None:
+    """As llama-server's --slot-prompt-similarity (0.1): one shared token of 21 is no reason to overwrite a
+    20-token history when another slot is free; the history's own next turn then finds it."""
+    s, ctx = make(n_parallel=2)
+    history = list(range(1, 21))
+    s.add([req(history, SamplingParams(max_tokens=1))])
+    run(s, ctx)
+    holder = next(slot.seq_id for slot in s.slots if slot.cache)
+    s.add([req([1] + list(range(50, 70)), SamplingParams(max_tokens=1))])  # shares the token 1 only
+    run(s, ctx)
+    assert s.slots[holder].cache == history, "the history was overwritten for a 1-token prefix"
+    back = req(history + [99], SamplingParams(max_tokens=1))
+    s.add([back])
+    assert ends(run(s, ctx))[back.id].usage.cached_tokens == 20
 
 
 def test_busy_slots_stay_consecutive_unless_a_long_prefix_is_worth_a_split() -> None:
@@ -614,3 +645,70 @@ def test_no_speculation_when_more_slots_are_busy_than_allowed() -> None:
         s.add([req([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=6, temperature=0.0))])
     run(s, ctx)
     assert s.counters.spec_drafted == 0
+
+
+# -- the host-RAM prompt cache -----------------------------------------------------------------------
+def _turns(s: Scheduler, ctx: FakeContext, prompts: list[list[int]]) -> list[RequestOutput]:
+    """Each prompt as its own request, one after another (conversations taking turns)."""
+    outputs: list[RequestOutput] = []
+    for prompt in prompts:
+        r = req(prompt, SamplingParams(max_tokens=2))
+        s.add([r])
+        outputs += [o for o in run(s, ctx) if o.request is r]
+    return outputs
+
+
+def test_a_conversation_that_lost_its_slot_comes_back_warm_from_the_prompt_cache() -> None:
+    """Two slots, three conversations taking turns: the third takes a slot from the first, whose state goes
+    to host RAM; the first's next turn gets it restored (into the least recently used slot) and prefills
+    only what is new. Without the cache it prefills its whole history."""
+    cache = PromptCache(limit_bytes=1 << 20, min_tokens=4)
+    ctx = FakeContext()
+    s = Scheduler(ctx, 2, default_seed=1, prompt_cache=cache)
+    a, b, c = [10 + i for i in range(12)], [40 + i for i in range(12)], [70 + i for i in range(12)]
+    _turns(s, ctx, [a, b, c])  # c's slot was a's (least recently used): a's 13 cells saved first
+    assert ctx.saves == [0] and cache.stats().entries == 1 and cache.stats().tokens == 13
+    a2 = a + [22, 23, 90, 91]  # a's history (its prompt, the 2 tokens answered) and a new question
+    done = ends(_turns(s, ctx, [a2]))
+    (only,) = done.values()
+    assert only.usage.cached_tokens == 13 and only.finish == FinishReason.length
+    stats = cache.stats()
+    assert (stats.hits, stats.hit_tokens, stats.saves) == (1, 13, 2)  # b's slot was saved before the restore
+    assert any(slot.cache[:16] == a2 for slot in s.slots)
+    cold, cold_ctx = make(n_parallel=2)
+    _turns(cold, cold_ctx, [a, b, c])
+    (again,) = ends(_turns(cold, cold_ctx, [a2])).values()
+    assert again.usage.cached_tokens == 0, "without the cache the returning turn prefills everything"
+
+
+def test_a_slot_holding_a_longer_prefix_wins_and_short_prompts_are_not_saved() -> None:
+    cache = PromptCache(limit_bytes=1 << 20, min_tokens=8)
+    ctx = FakeContext()
+    s = Scheduler(ctx, 1, default_seed=1, prompt_cache=cache)
+    _turns(s, ctx, [[1, 2, 3], [4, 5, 6]])  # 5 cells dropped: under min_tokens, not saved
+    assert ctx.saves == [] and cache.stats().entries == 0
+    long = list(range(100, 120))
+    _turns(s, ctx, [long, long + [121, 122, 123]])  # the slot itself holds it: no save, no restore
+    assert ctx.saves == [] and cache.stats().hits == 0
+
+
+def test_a_state_llama_cpp_refuses_leaves_an_empty_slot_and_is_dropped() -> None:
+    cache = PromptCache(limit_bytes=1 << 20, min_tokens=4)
+    ctx = FakeContext()
+    s = Scheduler(ctx, 1, default_seed=1, prompt_cache=cache)
+    a, b = list(range(10, 22)), list(range(40, 52))
+    _turns(s, ctx, [a, b])
+    ctx.refuse_loads = True
+    (back,) = ends(_turns(s, ctx, [a + [22, 23, 7]])).values()
+    assert back.finish == FinishReason.length and back.usage.cached_tokens == 0  # prefilled instead
+    assert cache.stats().hits == 0 and all(e.tokens[:12] != tuple(a) for e in cache._entries.values())
+
+
+def test_a_new_context_empties_the_prompt_cache() -> None:
+    cache = PromptCache(limit_bytes=1 << 20, min_tokens=4)
+    ctx = FakeContext()
+    s = Scheduler(ctx, 1, default_seed=1, prompt_cache=cache)
+    _turns(s, ctx, [list(range(10, 22)), list(range(40, 52))])
+    assert cache.stats().entries == 1
+    s.rebind(FakeContext(), 2, default_seed=1)
+    assert cache.stats().entries == 0 and cache.stats().saves == 1

@@ -498,3 +498,26 @@ def test_speculation_counters_reach_the_metrics_as_deltas() -> None:
     assert lines(metrics.exposition(restarted)) == {"llm_spec_draft_tokens_total": 14.0,
                                                     "llm_spec_accepted_tokens_total": 8.0,
                                                     "llm_spec_acceptance_rate": 0.25}
+
+
+@pytest.mark.engine
+def test_prompt_cache_counts_reach_the_metrics() -> None:
+    """/metrics: the prompt cache's hits, restored tokens and evictions as counters growing by the engine's
+    deltas, its bytes and entries as gauges; nothing when the cache is off."""
+    from serving.metrics import ReplicaMetrics
+
+    def lines(text: bytes) -> dict[str, float]:
+        return {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.decode().splitlines()
+                if ln.startswith("llm_prompt_cache_") and "_created" not in ln}
+
+    metrics = ReplicaMetrics("r", "m")
+    stats = {"queue_depth": 0, "slots_busy": 0, "slots": [], "n_ctx_slot": 1, "config": {},
+             "counters": {"spec_drafted": 0, "spec_accepted": 0}, "prompt_cache": None}
+    assert lines(metrics.exposition(stats)) == {}
+    cache = {"limit_bytes": 1000, "entries": 2, "bytes": 600, "tokens": 90, "hits": 3, "hit_tokens": 75,
+             "saves": 5, "evictions": 1}
+    assert lines(metrics.exposition({**stats, "prompt_cache": cache})) == {
+        "llm_prompt_cache_hits_total": 3.0, "llm_prompt_cache_hit_tokens_total": 75.0,
+        "llm_prompt_cache_evictions_total": 1.0, "llm_prompt_cache_bytes": 600.0, "llm_prompt_cache_entries": 2.0}
+    later = {**cache, "hits": 5, "hit_tokens": 100, "entries": 1, "bytes": 300}
+    assert lines(metrics.exposition({**stats, "prompt_cache": later}))["llm_prompt_cache_hits_total"] == 5.0

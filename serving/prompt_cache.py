@@ -1,0 +1,136 @@
+"""Prompt states kept in host RAM, so a conversation that lost its slot comes back warm.
+
+A slot holds one conversation's K/V cells. When more conversations than slots take turns, each new prompt
+takes a slot from another one, and that one's next turn would prefill its whole history again. llama-server
+keeps such evicted prompts in host memory (`--cache-ram`, 8 GiB by default); so do we: before a slot's cells
+are dropped for an unrelated prompt, its state (llama.cpp's per-sequence state, `llama_state_seq_get_data`)
+is stored here under its tokens, and a later prompt that extends a stored prefix further than any slot does
+gets that state restored into its slot (`llama_state_seq_set_data`) and prefills only the rest.
+
+Bounded by bytes, least recently used first out. A stored state is valid only for the context that made it
+(its layout of streams and cache types): the scheduler empties this cache whenever the context is rebuilt.
+Pure bookkeeping: no llama.cpp call here (the scheduler moves the bytes through its ModelContext).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIN_TOKENS = 64  # a prompt shorter than this prefills faster than its state is saved and restored
+
+
+@dataclass(frozen=True)
+class CachedPrompt:
+    """One stored slot state: exactly the tokens its cells held, in order, and llama.cpp's bytes of them."""
+
+    tokens: tuple[int, ...]
+    state: bytearray  # written by llama.cpp in place, read in place on restore (never changed in between)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.state)
+
+
+@dataclass(frozen=True)
+class PromptCacheStats:
+    """What /slots and /metrics show of the cache."""
+
+    limit_bytes: int
+    entries: int
+    bytes: int
+    tokens: int
+    hits: int  # prompts that had a stored state restored into their slot
+    hit_tokens: int  # prompt tokens those restores saved from prefill
+    saves: int
+    evictions: int  # states dropped to stay under the limit
+
+
+class PromptCache:
+    """Slot states by their tokens, LRU within `limit_bytes`. Used by the scheduler's step thread only."""
+
+    def __init__(self, limit_bytes: int, min_tokens: int = MIN_TOKENS) -> None:
+        self.limit_bytes, self.min_tokens = limit_bytes, min_tokens
+        self._entries: collections.OrderedDict[tuple[int, ...], CachedPrompt] = collections.OrderedDict()
+        self._bytes = self._tokens = 0
+        self.hits = self.hit_tokens = self.saves = self.evictions = 0
+
+    def worth_saving(self, tokens: Sequence[int]) -> bool:
+        """Whether a slot holding `tokens` should be saved before its cells are dropped: long enough, and not
+        already here (a stored state that extends it covers it too)."""
+        if self.limit_bytes <= 0 or len(tokens) < self.min_tokens:
+            return False
+        key = tuple(tokens)
+        return not any(len(t) >= len(key) and t[:len(key)] == key for t in self._entries)
+
+    def put(self, tokens: Sequence[int], state: bytearray) -> bool:
+        """Store a slot's state; stored prefixes of it go (it covers them), then the least recently used until
+        it fits. False when the state alone is over the limit."""
+        entry = CachedPrompt(tuple(tokens), state)
+        if entry.nbytes > self.limit_bytes or not entry.tokens:
+            return False
+        for key in [k for k in self._entries if len(k) <= len(entry.tokens) and entry.tokens[:len(k)] == k]:
+            self._drop(key)
+        while self._bytes + entry.nbytes > self.limit_bytes:
+            self._drop(next(iter(self._entries)))
+            self.evictions += 1
+        self._entries[entry.tokens] = entry
+        self._bytes += entry.nbytes
+        self._tokens += len(entry.tokens)
+        self.saves += 1
+        return True
+
+    def best(self, prompt: Sequence[int]) -> tuple[CachedPrompt, int] | None:
+        """The stored state sharing the longest prefix with `prompt`, and that length (None when none shares
+        any). Does not count a hit: the scheduler decides whether restoring it beats what the slots hold."""
+        found: tuple[CachedPrompt, int] | None = None
+        key = tuple(prompt)
+        for entry in self._entries.values():
+            shared = common_prefix(entry.tokens, key)
+            if shared > 0 and (found is None or shared > found[1]):
+                found = (entry, shared)
+        return found
+
+    def restored(self, entry: CachedPrompt, used_tokens: int) -> None:
+        """Note that `entry` was restored into a slot, saving `used_tokens` of prefill: it is now most recent."""
+        if entry.tokens in self._entries:
+            self._entries.move_to_end(entry.tokens)
+        self.hits += 1
+        self.hit_tokens += used_tokens
+
+    def discard(self, entry: CachedPrompt) -> None:
+        """Drop a state that could not be restored (it would fail again)."""
+        if entry.tokens in self._entries:
+            self._drop(entry.tokens)
+
+    def clear(self) -> None:
+        """Forget every state (the context they came from is gone); the counters stay."""
+        self._entries.clear()
+        self._bytes = self._tokens = 0
+
+    def stats(self) -> PromptCacheStats:
+        """Plain counts (any thread may read them: nothing here iterates the entries)."""
+        return PromptCacheStats(limit_bytes=self.limit_bytes, entries=len(self._entries), bytes=self._bytes,
+                                tokens=self._tokens, hits=self.hits,
+                                hit_tokens=self.hit_tokens, saves=self.saves, evictions=self.evictions)
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        self._bytes -= self._entries.pop(key).nbytes
+        self._tokens -= len(key)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading tokens `a` and `b` share (both lists, or both tuples). Compares 256 at a time (a C-speed slice
+    compare) and then one by one inside the chunk that differs: prompts of thousands of tokens are compared
+    at every admission."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n:
+        j = min(i + 256, n)
+        if a[i:j] != b[i:j]:
+            break
+        i = j
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,59 @@
+"""serving/prompt_cache.py: the host-RAM store of slot states, bounded, LRU, by tokens (no model needed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from serving.prompt_cache import PromptCache, common_prefix
+
+pytestmark = pytest.mark.unit
+
+
+def test_states_stay_within_the_limit_least_recently_used_first_out() -> None:
+    cache = PromptCache(limit_bytes=100, min_tokens=2)
+    assert cache.put([1, 2, 3], bytearray(b"a" * 40)) and cache.put([4, 5, 6], bytearray(b"b" * 40))
+    entry, shared = cache.best([1, 2, 3, 9]) or (None, 0)
+    assert entry is not None and shared == 3
+    cache.restored(entry, shared)  # [1, 2, 3] is now the most recent: [4, 5, 6] goes first
+    assert cache.put([7, 8, 9], bytearray(b"c" * 40))
+    stats = cache.stats()
+    assert (stats.entries, stats.bytes, stats.tokens, stats.evictions, stats.hits, stats.hit_tokens) == \
+        (2, 80, 6, 1, 1, 3)
+    assert cache.best([4, 5, 6]) is None and cache.best([7, 8]) is not None
+    assert not cache.put([1], bytearray(b"x" * 101)), "a state over the whole limit is not stored"
+
+
+def test_a_longer_state_covers_its_prefixes() -> None:
+    cache = PromptCache(limit_bytes=1000, min_tokens=3)
+    cache.put([1, 2, 3, 4], bytearray(b"a" * 10))
+    assert not cache.worth_saving([1, 2, 3]), "a stored state extends it"
+    assert not cache.worth_saving([5, 6]), "shorter than min_tokens"
+    assert cache.worth_saving([1, 2, 3, 4, 5])
+    cache.put([1, 2, 3, 4, 5], bytearray(b"b" * 12))  # replaces its prefix [1, 2, 3, 4]
+    assert cache.stats().entries == 1 and cache.stats().bytes == 12
+    assert PromptCache(limit_bytes=0).worth_saving(list(range(100))) is False  # off
+
+
+def test_the_best_state_is_the_longest_shared_prefix_and_discard_and_clear_forget() -> None:
+    cache = PromptCache(limit_bytes=1000, min_tokens=1)
+    cache.put([1, 2, 3, 4], bytearray(b"a"))
+    cache.put([1, 2, 9, 9, 9], bytearray(b"b"))
+    found = cache.best([1, 2, 9, 9, 0])
+    assert found is not None and found[0].tokens == (1, 2, 9, 9, 9) and found[1] == 4
+    cache.discard(found[0])
+    assert cache.best([1, 2, 9]) is not None and cache.best([1, 2, 9])[1] == 2  # type: ignore[index]
+    cache.clear()
+    assert cache.best([1, 2, 3]) is None and cache.stats().bytes == 0 and cache.stats().saves == 2
+
+
+def test_common_prefix_agrees_with_a_token_by_token_count_across_chunk_boundaries() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(0, 900)
+        a = [rng.randint(0, 3) for _ in range(n)]
+        cut = rng.randint(0, n)
+        b = a[:cut] + [rng.randint(0, 3) for _ in range(rng.randint(0, 600))]
+        naive = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == naive and common_prefix(tuple(a), tuple(b)) == naive
