@@ -26,3 +26,25 @@ def test_the_rooms_without_a_model_load_no_libllama(module: str) -> None:
     load libllama, the engine or the grammar compiler."""
     loaded = _loaded_after(module)
     assert not loaded & set(LIBLLAMA), f"{module} loads {sorted(loaded & set(LIBLLAMA))}"
+
+
+def test_binding_calls_live_in_serving_llama_alone() -> None:
+    """Every llama.cpp binding call goes through serving/llama.py (checked there against the vendored llama.h):
+    no other module of serving/ imports the bindings, from llama_cpp or through serving.llama."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "serving"
+    offenders = []
+    for path in sorted(root.glob("*.py")):
+        if path.name == "llama.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "llama_cpp" or n.startswith("llama_cpp.") for n in names):
+                offenders.append(f"{path.name}:{node.lineno} imports {names}")
+            if isinstance(node, ast.ImportFrom) and node.module == "serving.llama" and any(
+                    a.name in ("llama_cpp", "ll") for a in node.names):
+                offenders.append(f"{path.name}:{node.lineno} takes the raw bindings from serving.llama")
+    assert offenders == []
