@@ -202,30 +202,6 @@ class _SamplingFields(_RequestBody):
             self.max_tokens = None if self.n_predict < 0 else self.n_predict
         return self
 
-    def constraint_grammar(self) -> str | None:
-        """The grammar that `grammar`, `json_schema` or `response_format` ask for (at most one of them)."""
-        from serving.structured import json_schema_grammar, response_format_grammar
-
-        fmt = self.response_format
-        asked = [name for name, given in (("grammar", self.grammar is not None),
-                                          ("json_schema", self.json_schema is not None),
-                                          ("response_format", fmt is not None and fmt.type != "text")) if given]
-        if len(asked) > 1:
-            raise ValueError(f"send one of {', '.join(asked)}, not several")
-        if self.grammar is not None:
-            return self.grammar
-        if self.json_schema is not None:
-            return json_schema_grammar(self.json_schema)
-        if fmt is None:
-            return None
-        if fmt.type == "json_schema":
-            if fmt.json_schema is None:
-                raise ValueError("response_format json_schema needs a json_schema object")
-            return response_format_grammar("json_schema", fmt.json_schema.schema_)
-        if fmt.type == "json_object" and fmt.schema_:
-            return json_schema_grammar(fmt.schema_)
-        return response_format_grammar(fmt.type)
-
     def bias(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias); OpenAI's -100 means "never": -inf, so it really never appears."""
         out = []

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serving.api import APIError
-from serving.openai import MAX_BODY_BYTES, error_response, refusal_of, request_id, route_path, too_large
+from serving.http import MAX_BODY_BYTES, error_response, refusal_of, request_id, route_path, too_large
 from serving.relay import PartStream, RelayedRequest, RelayResponse
 
 log = logging.getLogger("serving")

@@ -16,9 +16,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import random
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 numpy_was_first = "numpy" in sys.modules
@@ -492,3 +494,47 @@ class LlamaContext:
         if self.ptr:
             ll.llama_free(self.ptr)
             self.ptr = None
+
+
+@dataclass(frozen=True)
+class ProbeFailure:
+    """Why probe_decode failed, and the exit code serving/repack.py's child reports it with."""
+
+    message: str
+    code: int
+
+
+def probe_decode(model_path: Path, n_tokens: int, n_threads: int) -> ProbeFailure | None:
+    """Load `model_path` on the CPU with the extra buffer types (repack, AMX) on, decode `n_tokens` and then
+    one more, and check the logits are finite: the smallest program that reaches those kernels (a fault kills
+    the process; serving/repack.py runs this in a child). None when it worked."""
+    params = ll.llama_model_default_params()
+    params.n_gpu_layers = 0
+    params.use_extra_bufts = True
+    model = ll.llama_model_load_from_file(str(model_path).encode(), params)
+    if not model:
+        return ProbeFailure(f"could not load {model_path}", 2)
+    cparams = ll.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 2 * n_tokens
+    cparams.n_seq_max = 1
+    cparams.n_threads = cparams.n_threads_batch = n_threads
+    cparams.no_perf = True
+    ctx = ll.llama_init_from_model(model, cparams)
+    if not ctx:
+        ll.llama_model_free(model)
+        return ProbeFailure("could not create a context", 3)
+    try:
+        n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
+        prompt = (ll.llama_token * n_tokens)(*((7 * i + 1) % n_vocab for i in range(n_tokens)))
+        if ll.llama_decode(ctx, ll.llama_batch_get_one(prompt, n_tokens)) != 0:
+            return ProbeFailure("llama_decode of the prompt failed", 4)
+        one = (ll.llama_token * 1)(prompt[-1])
+        if ll.llama_decode(ctx, ll.llama_batch_get_one(one, 1)) != 0:
+            return ProbeFailure("llama_decode of one token failed", 4)
+        logits = ll.llama_get_logits_ith(ctx, -1)
+        if not all(math.isfinite(logits[i]) for i in range(min(n_vocab, 4096))):
+            return ProbeFailure("non-finite logits", 5)
+        return None
+    finally:
+        ll.llama_free(ctx)
+        ll.llama_model_free(model)

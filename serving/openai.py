@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
-import uuid
 from functools import partial
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -25,10 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.api import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorBody, NamedToolChoice,
@@ -41,7 +35,9 @@ from serving.reasoning import ReasoningFormat
 from serving.request import (FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage, paced,
                              unpaced)
 from serving.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
-from serving.structured import GrammarError, tool_call_grammar
+from serving.http import (DONE, DynamicCORSMiddleware, GuardMiddleware, error_response, request_id,
+                          responses_error)
+from serving.structured import GrammarError, constraint_grammar, tool_call_grammar
 from serving.tools import CallMode, messages_for_plain_template
 from serving.traffic import TrafficTag
 
@@ -51,24 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("serving")
 T = TypeVar("T")
 
-MAX_BODY_BYTES = 16 * 1024 * 1024  # far more than any slot's context as JSON; a 413 beyond it
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
-REQUEST_ID_HEADER = "x-request-id"  # set by Serve's proxy on every request, echoed to the client
 
 
-class SafeJSONResponse(JSONResponse):
-    """JSON with non-ASCII escaped: whatever an error message echoes (a model name, a bad value) encodes."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return SafeJSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-def request_id(headers: Headers) -> str:
-    return headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
 
 
 class _App(FastAPI):
@@ -108,120 +90,7 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
                                    headers=dict(exc.headers) if exc.headers else None))
 
 
-def api_key_matches(authorization: str | None, key: str, x_api_key: str | None = None) -> bool:
-    """`Authorization: Bearer <key>`, or llama-server's `X-Api-Key: <key>` when no Authorization header
-    came (as llama-server reads them), compared in constant time: both sides are hashed first, so neither
-    the content nor the length of the key shows in how long a wrong guess takes to reject."""
-    if authorization is None:
-        token = x_api_key
-    else:
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-    if token is None:
-        return False
-    try:
-        given = token.strip().encode("latin-1")  # header values arrive latin-1 decoded: the raw bytes
-    except UnicodeEncodeError:
-        return False
-    return hmac.compare_digest(hashlib.sha256(given).digest(), hashlib.sha256(key.encode("utf-8")).digest())
 
-
-def _unauthorized() -> APIError:
-    return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'X-Api-Key: <key>')",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-
-def too_large() -> APIError:
-    return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
-
-
-def route_path(scope: Scope) -> str:
-    """The path within the app (Serve mounts it under its route prefix, given as root_path)."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    if root and path.startswith(root):
-        return path[len(root):] or "/"
-    return path
-
-
-def refusal_of(scope: Scope, key: str | None) -> APIError | None:
-    """Why a request is refused before its body is read: a declared body over the limit, or (when the
-    server has an API key) a missing or wrong key on any route but PUBLIC_PATHS."""
-    headers = Headers(scope=scope)
-    length = headers.get("content-length", "")
-    if length.isdigit() and int(length) > MAX_BODY_BYTES:
-        return too_large()
-    if key and route_path(scope) not in PUBLIC_PATHS and not api_key_matches(headers.get("authorization"), key,
-                                                                             headers.get("x-api-key")):
-        return _unauthorized()
-    return None
-
-
-class GuardMiddleware:
-    """Pure ASGI, around every route (no per-chunk cost on streams, unlike BaseHTTPMiddleware):
-
-    1. the catch-all: an exception nothing else handled is logged with its request id, and the client gets
-       a generic 500 naming that id, no exception text (not re-raised, unlike Starlette's own handler);
-    2. a body larger than MAX_BODY_BYTES is a JSON 413: at once when Content-Length says so, else when
-       reading it passes the limit (FastAPI's own max_body_size answers the first case in plain text);
-    3. when the replica has an API key (`key_of()`), every route but PUBLIC_PATHS needs it, checked before
-       the body is read: an unauthenticated client learns nothing about what a valid request looks like.
-    """
-
-    def __init__(self, app: ASGIApp, key_of: Callable[[], str | None]) -> None:
-        self.app, self.key_of = app, key_of
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-        received = 0
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > MAX_BODY_BYTES:
-                raise StarletteHTTPException(413, too_large().message)  # answered by _http_error
-            return message
-
-        try:
-            refusal = refusal_of(scope, self.key_of())
-            if refusal is not None:
-                await error_response(refusal)(scope, receive, send)
-                return
-            await self.app(scope, limited_receive, tracking_send)
-        except Exception:
-            rid = request_id(Headers(scope=scope))
-            log.exception("unhandled error on %s %s (request id %s)", scope.get("method"), scope.get("path"), rid)
-            if not started:  # else the response is under way and can only be cut
-                await error_response(internal_error(rid))(scope, receive, send)
-
-class DynamicCORSMiddleware:
-    """CORS for browser clients, with the origins of the replica that serves (ServerOptions.cors_origins):
-    Starlette's CORSMiddleware, built on the first request, once the replica's options are known. No
-    origins configured: no CORS headers, as before."""
-
-    def __init__(self, app: ASGIApp, origins_of: Callable[[], list[str]]) -> None:
-        self.app, self.origins_of = app, origins_of
-        self._inner: ASGIApp | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # lifespan events come before the replica exists
-            await self.app(scope, receive, send)
-            return
-        if self._inner is None:
-            origins = self.origins_of()
-            self._inner = CORSMiddleware(self.app, allow_origins=origins, allow_methods=["*"],
-                                         allow_headers=["*"], expose_headers=["Retry-After", "X-Request-ID"]) \
-                if origins else self.app
-        await self._inner(scope, receive, send)
 
 
 def install_middleware(key_of: Callable[[], str | None], origins_of: Callable[[], list[str]]) -> None:
@@ -248,13 +117,10 @@ def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-DONE = "data: [DONE]\n\n"
 GENERATION_FAILED = "generation failed"
 
 
-def responses_error(err: APIError) -> dict[str, Any]:
-    """The fields of a Responses API `error` event: its `type` is the event's ("error"), not the error's."""
-    return {"code": err.code, "message": err.message, "param": err.param}
+
 
 
 def _generation_failed(chunk: GenerationChunk) -> APIError:
@@ -611,7 +477,7 @@ def _check_request(engine: Engine, body: Any) -> None:
 
 def _grammar(body: Any, tool_grammar: str | None) -> str | None:
     try:
-        grammar = body.constraint_grammar()
+        grammar = constraint_grammar(body)
     except (GrammarError, ValueError) as exc:
         param = "response_format" if body.response_format is not None else (
             "json_schema" if body.json_schema is not None else "grammar")

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.api import APIError, internal_error
-from serving.openai import DONE, error_response, responses_error
+from serving.http import DONE, error_response, responses_error
 
 log = logging.getLogger("serving")
 

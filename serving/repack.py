@@ -40,7 +40,6 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import re
@@ -250,45 +249,22 @@ def _run_probe(command: Sequence[str], timeout_s: float, key: str) -> Verdict:
 def _probe_child(model_path: Path) -> int:
     """Load `model_path` on the CPU with the extra buffer types on and decode; a fault kills this process.
 
-    Raw bindings (through serving.llama, for the load order), not the engine: the probe must be the smallest
-    program that reaches the kernels, independent of the engine's own settings.
+    serving.llama.probe_decode, not the engine: the probe must be the smallest program that reaches the kernels,
+    independent of the engine's own settings.
     """
     if os.environ.get(FAULT_ENV) == "segv":
         os.kill(os.getpid(), signal.SIGSEGV)
-    from serving.llama import llama_cpp as ll
+    from serving.llama import probe_decode
 
     def report(text: str, code: int) -> int:
         print(_RESULT_TAG + text, flush=True)
         return code
 
-    params = ll.llama_model_default_params()
-    params.n_gpu_layers = 0
-    params.use_extra_bufts = True
-    with weight_buffers() as buffers:
-        model = ll.llama_model_load_from_file(str(model_path).encode(), params)
-    if not model:
-        return report(f"could not load {model_path}", 2)
-    cparams = ll.llama_context_default_params()
-    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 2 * PROMPT_TOKENS
-    cparams.n_seq_max = 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cparams.n_threads = cparams.n_threads_batch = min(4, cpus)
-    cparams.no_perf = True
-    ctx = ll.llama_init_from_model(model, cparams)
-    if not ctx:
-        return report("could not create a context", 3)
-    n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
-    prompt = (ll.llama_token * PROMPT_TOKENS)(*((7 * i + 1) % n_vocab for i in range(PROMPT_TOKENS)))
-    if ll.llama_decode(ctx, ll.llama_batch_get_one(prompt, PROMPT_TOKENS)) != 0:
-        return report("llama_decode of the prompt failed", 4)
-    one = (ll.llama_token * 1)(prompt[-1])
-    if ll.llama_decode(ctx, ll.llama_batch_get_one(one, 1)) != 0:
-        return report("llama_decode of one token failed", 4)
-    logits = ll.llama_get_logits_ith(ctx, -1)
-    if not all(math.isfinite(logits[i]) for i in range(min(n_vocab, 4096))):
-        return report("non-finite logits", 5)
-    ll.llama_free(ctx)
-    ll.llama_model_free(model)
+    with weight_buffers() as buffers:
+        failure = probe_decode(model_path, PROMPT_TOKENS, min(4, cpus))
+    if failure is not None:
+        return report(failure.message, failure.code)
     used = ", ".join(f"{name} {mib:.1f} MiB" for name, mib in buffers.items()) or "none"
     return report(f"decoded {PROMPT_TOKENS}+1 tokens of {model_path.name} (weight buffers: {used})", 0)
 

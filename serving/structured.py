@@ -10,13 +10,45 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from serving.llama import JSON_GBNF, SchemaConverter
 
 
 class GrammarError(ValueError):
     """A schema or grammar we cannot compile; the message says why (answered with 400)."""
+
+
+class ConstraintFields(Protocol):
+    """The fields of a request body that ask for a constraint (serving/api.py's completion requests)."""
+
+    grammar: str | None
+    json_schema: dict[str, Any] | None
+    response_format: Any
+
+
+def constraint_grammar(body: ConstraintFields) -> str | None:
+    """The grammar a request's `grammar`, `json_schema` or `response_format` asks for (at most one of them),
+    compiled once, by the route; ValueError (GrammarError) names what is wrong."""
+    fmt = body.response_format
+    asked = [name for name, given in (("grammar", body.grammar is not None),
+                                      ("json_schema", body.json_schema is not None),
+                                      ("response_format", fmt is not None and fmt.type != "text")) if given]
+    if len(asked) > 1:
+        raise ValueError(f"send one of {', '.join(asked)}, not several")
+    if body.grammar is not None:
+        return body.grammar
+    if body.json_schema is not None:
+        return json_schema_grammar(body.json_schema)
+    if fmt is None:
+        return None
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise ValueError("response_format json_schema needs a json_schema object")
+        return response_format_grammar("json_schema", fmt.json_schema.schema_)
+    if fmt.type == "json_object" and fmt.schema_:
+        return json_schema_grammar(fmt.schema_)
+    return response_format_grammar(fmt.type)
 
 
 def schema_rules(schema: Any, rule: str = "") -> tuple[str, str]:

@@ -735,7 +735,7 @@ def test_scripted_sampling_params_are_bounded_by_the_slot(scripted: Any) -> None
 
 @pytest.mark.engine
 def test_scripted_body_over_the_limit_is_a_json_413(scripted: Any) -> None:
-    from serving.openai import MAX_BODY_BYTES
+    from serving.http import MAX_BODY_BYTES
 
     resp = scripted.http.post(COMP, content=b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}',
                               headers={"content-type": "application/json"})
@@ -755,11 +755,11 @@ def test_scripted_bad_input_is_4xx_json(scripted: Any, name: str, path: str, bod
     _check_error(resp, status, code)
 
 
-@pytest.mark.engine
+@pytest.mark.unit
 def test_api_key_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     import hmac
 
-    from serving import openai as routes
+    from serving import http as routes
 
     calls: list[tuple[bytes, bytes]] = []
     compare = hmac.compare_digest
@@ -782,7 +782,7 @@ def test_api_key_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.engine
 def test_scripted_chunked_body_over_the_limit_is_a_json_413(scripted: Any) -> None:
-    from serving.openai import MAX_BODY_BYTES
+    from serving.http import MAX_BODY_BYTES
 
     def chunks() -> Any:  # no Content-Length: the limit is found while reading
         yield b'{"prompt": "'
