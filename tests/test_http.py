@@ -872,12 +872,13 @@ def test_scripted_forced_calls_repeat_only_when_parallel_calls_are_asked_for(scr
 
 
 @pytest.mark.serve
-def test_slot_files_over_http_save_erase_restore_and_refuse_bad_input(serve_url: str, slot_dir) -> None:  # noqa: ANN001
+def test_slot_files_over_http_save_erase_restore_and_refuse_bad_input(serve_url: str, model: str,
+                                                                      slot_dir) -> None:  # noqa: ANN001
     """POST /slots/{id}?action=save|erase|restore as llama-server answers it (id_slot, n_saved, n_restored,
     n_erased, timings); a bad filename, an unknown slot or action, a missing or foreign file: OpenAI's error
     JSON with a 4xx, and the server keeps serving."""
     prompt = "Slot files over HTTP. " + "The lighthouse keeper counted the ships that passed. " * 12
-    body = {"model": "x", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
     with httpx.Client(base_url=serve_url, timeout=120) as http:
         wait_idle(serve_url)
         assert http.post("/v1/completions", json=body).status_code == 200

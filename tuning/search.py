@@ -439,17 +439,17 @@ class Confirmation:
 
 def confirm_pick(opts: SearchOptions, rows: list[TrialRow], winner: TrialRow, base: EngineConfig, settings: Any,
                  study_name: str, app: ServingApp | None) -> Confirmation | None:
-    """The search's best few and the baseline measured again, interleaved (tuning/confirm.py): the pick on
-    paired ratios. None when there is nothing to compare the pick with."""
+    """The search's best few, the baseline and (in place) the served config measured again, interleaved
+    (tuning/confirm.py): the pick on paired ratios. None when there is nothing to compare the pick with."""
     from tuning import confirm
 
     chosen = confirmation_candidates(rows, winner, base, opts.confirm_top, opts.prefer)
-    if len(chosen) < 2:
-        return None
     candidates = [confirm.Candidate(r.number, r.label(), to_engine_config(r.params, base), r.is_baseline,
                                     memory=r.result.mem_measured or r.result.mem_predicted) for r in chosen]
     if app is not None:
         candidates = with_served(candidates, app.serving, settings)
+    if len(candidates) < 2:
+        return None
     reference = next((i for i, c in enumerate(candidates) if c.is_baseline), 0)  # else the search's pick
     print(f"confirmation: {len(candidates)} candidates x {opts.confirm_rounds} rounds, interleaved")
     with confirmation_measure(app=app, workload=settings.workload, on_gpu=settings.on_gpu, study=study_name,
