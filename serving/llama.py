@@ -256,6 +256,9 @@ class Candidates:
         return arr
 
 
+GREEDY_TRIES = 32  # a constrained greedy step checks this many best tokens one by one before a full grammar pass
+
+
 class SamplerChain:
     """One request's sampling, in llama-server's order: logit bias -> penalties -> top-k -> top-p -> min-p
     -> temperature -> dist (or greedy), so a request gives the same distribution here as there.
@@ -263,7 +266,11 @@ class SamplerChain:
     A grammar is applied the way llama-server applies it: sample without it, and only if the grammar
     rejects that token, sample again with the grammar applied first. That draws from the distribution
     restricted to what the grammar allows (rejection sampling), but costs a full-vocabulary grammar pass
-    only on the tokens the model would have got wrong.
+    only on the tokens the model would have got wrong. Greedy with nothing else in the chain (no bias, no
+    penalties) needs no distribution at all: the token is the highest logit the grammar allows, so the
+    candidates are tried in order of logit, one grammar check each (GREEDY_TRIES of them, then the full
+    pass), and the chain is never filled: the same token, for a few single-token checks where a rejection
+    cost a pass over the whole vocabulary.
     """
 
     def __init__(self, ctx: LlamaContext, params: SamplingParams, default_seed: int) -> None:
@@ -274,6 +281,7 @@ class SamplerChain:
             self._grammar = ll.llama_sampler_init_grammar(ctx.model.vocab, params.grammar.encode(), b"root")
             if not self._grammar:
                 raise ValueError("the grammar does not parse")
+        self._argmax = params.temperature <= 0.0 and not params.logit_bias and not params.has_penalties
         self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         for sampler in _samplers_for(params, default_seed, ctx.n_vocab):
             ll.llama_sampler_chain_add(self._ptr, sampler)  # the chain takes ownership
@@ -287,10 +295,13 @@ class SamplerChain:
     def sample(self, row: int) -> int:
         """Choose the next token from the logits of batch row `row`, and accept it."""
         logits = self._ctx.logits(row)
-        token = self._select(logits, grammar_first=False)
-        if self._grammar is not None and not self._allows(token):
-            self.resamples += 1
-            token = self._select(logits, grammar_first=True)
+        if self._argmax and self._grammar is not None:
+            token = self._greedy_allowed(logits)
+        else:
+            token = self._select(logits, grammar_first=False)
+            if self._grammar is not None and not self._allows(token):
+                self.resamples += 1
+                token = self._select(logits, grammar_first=True)
         ll.llama_sampler_accept(self._ptr, token)
         if self._grammar is not None:
             ll.llama_sampler_accept(self._grammar, token)
@@ -305,6 +316,21 @@ class SamplerChain:
         if cur.selected < 0:
             raise RuntimeError("the sampler chain selected no token")
         return int(cur.data[cur.selected].id)
+
+    def _greedy_allowed(self, logits: np.ndarray) -> int:
+        """The highest-logit token the grammar allows (ties: the lowest id, as llama.cpp's greedy sampler
+        over the vocabulary in id order), trying the best GREEDY_TRIES one by one before a full pass."""
+        token = int(logits.argmax())
+        if self._allows(token):
+            return token
+        self.resamples += 1
+        rest = logits.copy()  # the next best, one argmax at a time: most rejections end within a few
+        for _ in range(GREEDY_TRIES):
+            rest[token] = -np.inf
+            token = int(rest.argmax())
+            if self._allows(token):
+                return token
+        return self._select(logits, grammar_first=True)
 
     def _allows(self, token: int) -> bool:
         cur = self._ctx.candidates.single(token)

@@ -211,3 +211,33 @@ def test_slot_files_save_erase_and_restore_into_another_slot(engine: Engine, tmp
         assert len(generate(two, "Still serving:", params)[1]) == 4
     finally:
         two.close()
+
+
+def test_constrained_greedy_takes_the_best_token_the_grammar_allows_as_the_full_pass_does() -> None:
+    """Greedy under a grammar checks the best tokens one by one instead of a pass over the vocabulary: it must
+    pick what the full pass picks, whether the best allowed token ranks 2nd, 30th or beyond the tries."""
+    import numpy as np
+
+    from serving.config import EngineConfig, embedded_model_path
+    from serving.llama import GREEDY_TRIES, LlamaContext, LlamaModel, SamplerChain
+    from serving.structured import json_schema_grammar
+
+    model = LlamaModel(embedded_model_path(), n_gpu_layers=0)
+    ctx = LlamaContext(model, EngineConfig(n_parallel=1, n_ctx=256), 1)
+    grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    rng = np.random.default_rng(7)
+    try:
+        for rank in (1, 2, 5, GREEDY_TRIES, GREEDY_TRIES + 5, 400):
+            chain = SamplerChain(ctx, SamplingParams(temperature=0.0, grammar=grammar), 1)
+            try:
+                logits = rng.standard_normal(ctx.n_vocab).astype(np.float32)
+                allowed = chain._select(logits, grammar_first=True)  # the best token the grammar allows
+                order = np.sort(logits)[::-1]
+                logits[allowed] = order[rank - 1] + 1e-4 if rank > 1 else order[0] + 1.0  # now ranks about `rank`
+                full = chain._select(logits, grammar_first=True)
+                assert chain._greedy_allowed(logits) == full == allowed, rank
+            finally:
+                chain.free()
+    finally:
+        ctx.free()
+        model.free()
