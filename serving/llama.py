@@ -19,7 +19,7 @@ import logging
 import math
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -454,19 +454,19 @@ class LlamaContext:
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
 
-    def save_seq(self, seq_id: int) -> bytearray:
-        """A slot's K/V cells as llama.cpp's per-sequence state (`llama_state_seq_get_data`): restorable into
-        any slot of this context (serving/prompt_cache.py). llama.cpp writes straight into the returned
-        buffer: a state can be hundreds of MB, and a second copy would double the step thread's wait."""
+    def save_seq(self, seq_id: int, buffer_for: Callable[[int], bytearray]) -> memoryview:
+        """A slot's K/V cells as llama.cpp's per-sequence state (`llama_state_seq_get_data`), written straight
+        into a buffer of at least its size from `buffer_for(size)` (serving/prompt_cache.py recycles them):
+        restorable into any slot of this context."""
         size = int(ll.llama_state_seq_get_size(self.ptr, seq_id))
-        state = bytearray(size)
-        written = int(ll.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(state), size,
+        buffer = buffer_for(size)
+        written = int(ll.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(buffer), size,
                                                   seq_id))
         if written != size:
             raise EngineError(f"llama.cpp wrote {written} of the {size} bytes of slot {seq_id}'s state")
-        return state
+        return memoryview(buffer)[:size]
 
-    def load_seq(self, seq_id: int, state: bytearray) -> bool:
+    def load_seq(self, seq_id: int, state: memoryview) -> bool:
         """Restore a state `save_seq` made into (empty) slot `seq_id`, read in place; False when llama.cpp
         refuses it (it then leaves the slot empty)."""
         buf = (ctypes.c_uint8 * len(state)).from_buffer(state)

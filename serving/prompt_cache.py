@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIN_TOKENS = 64  # a prompt shorter than this prefills faster than its state is saved and restored
+HEADROOM = 1.25  # a new state's buffer is this much larger than the state, so a later, longer one can reuse it
+MAX_SPARES = 2  # buffers of replaced states kept for the next save (a fresh buffer costs page faults)
 
 
 @dataclass(frozen=True)
@@ -26,11 +28,18 @@ class CachedPrompt:
     """One stored slot state: exactly the tokens its cells held, in order, and llama.cpp's bytes of them."""
 
     tokens: tuple[int, ...]
-    state: bytearray  # written by llama.cpp in place, read in place on restore (never changed in between)
+    state: memoryview  # llama.cpp's bytes, written and read in place: the head of a (maybe larger) bytearray
 
     @property
     def nbytes(self) -> int:
-        return len(self.state)
+        """Host RAM the state holds: its whole buffer."""
+        return len(self.buffer)
+
+    @property
+    def buffer(self) -> bytearray:
+        buffer = self.state.obj
+        assert isinstance(buffer, bytearray)
+        return buffer
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,7 @@ class PromptCache:
         self.limit_bytes, self.min_tokens = limit_bytes, min_tokens
         self._entries: collections.OrderedDict[tuple[int, ...], CachedPrompt] = collections.OrderedDict()
         self._bytes = self._tokens = 0
+        self._spares: list[bytearray] = []
         self.hits = self.hit_tokens = self.saves = self.evictions = 0
 
     def worth_saving(self, tokens: Sequence[int]) -> bool:
@@ -64,17 +74,32 @@ class PromptCache:
         key = tuple(tokens)
         return not any(len(t) >= len(key) and t[:len(key)] == key for t in self._entries)
 
-    def put(self, tokens: Sequence[int], state: bytearray) -> bool:
-        """Store a slot's state; stored prefixes of it go (it covers them), then the least recently used until
-        it fits. False when the state alone is over the limit."""
+    def spare(self, size: int) -> bytearray:
+        """A buffer of at least `size` bytes for the next save: a replaced state's, when one is large enough
+        (writing into fresh memory costs a page fault per page: 16-19 ms for 30 MiB on a small VM, more
+        than llama.cpp's copy), else a new one with HEADROOM for the next, longer state of a conversation."""
+        fits = [b for b in self._spares if len(b) >= size]
+        if fits:
+            buffer = min(fits, key=len)
+            self._spares.remove(buffer)
+            return buffer
+        return bytearray(int(size * HEADROOM))
+
+    def put(self, tokens: Sequence[int], state: memoryview) -> bool:
+        """Store a slot's state; stored prefixes of it go (it covers them; their buffers are kept for the
+        next save), then spare buffers and the least recently used states until it fits. False when the
+        state alone is over the limit."""
         entry = CachedPrompt(tuple(tokens), state)
         if entry.nbytes > self.limit_bytes or not entry.tokens:
             return False
         for key in [k for k in self._entries if len(k) <= len(entry.tokens) and entry.tokens[:len(k)] == k]:
-            self._drop(key)
-        while self._bytes + entry.nbytes > self.limit_bytes:
-            self._drop(next(iter(self._entries)))
-            self.evictions += 1
+            self._keep_spare(self._drop(key))
+        while self._bytes + self._spare_bytes + entry.nbytes > self.limit_bytes:
+            if self._spares:
+                self._spares.pop(0)
+            else:
+                self._drop(next(iter(self._entries)))
+                self.evictions += 1
         self._entries[entry.tokens] = entry
         self._bytes += entry.nbytes
         self._tokens += len(entry.tokens)
@@ -105,19 +130,31 @@ class PromptCache:
             self._drop(entry.tokens)
 
     def clear(self) -> None:
-        """Forget every state (the context they came from is gone); the counters stay."""
+        """Forget every state (the context they came from is gone), and the spare buffers; the counters stay."""
         self._entries.clear()
+        self._spares.clear()
         self._bytes = self._tokens = 0
 
     def stats(self) -> PromptCacheStats:
         """Plain counts (any thread may read them: nothing here iterates the entries)."""
-        return PromptCacheStats(limit_bytes=self.limit_bytes, entries=len(self._entries), bytes=self._bytes,
+        return PromptCacheStats(limit_bytes=self.limit_bytes, entries=len(self._entries),
+                                bytes=self._bytes + self._spare_bytes,
                                 tokens=self._tokens, hits=self.hits,
                                 hit_tokens=self.hit_tokens, saves=self.saves, evictions=self.evictions)
 
-    def _drop(self, key: tuple[int, ...]) -> None:
-        self._bytes -= self._entries.pop(key).nbytes
+    @property
+    def _spare_bytes(self) -> int:
+        return sum(len(b) for b in list(self._spares))  # stats() reads it from other threads
+
+    def _keep_spare(self, buffer: bytearray) -> None:
+        self._spares.append(buffer)
+        del self._spares[:-MAX_SPARES]
+
+    def _drop(self, key: tuple[int, ...]) -> bytearray:
+        entry = self._entries.pop(key)
+        self._bytes -= entry.nbytes
         self._tokens -= len(key)
+        return entry.buffer
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

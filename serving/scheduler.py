@@ -77,9 +77,9 @@ class ModelContext(DraftContext, Protocol):
 
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob: ...
 
-    def save_seq(self, seq_id: int) -> bytearray: ...
+    def save_seq(self, seq_id: int, buffer_for: Callable[[int], bytearray]) -> memoryview: ...
 
-    def load_seq(self, seq_id: int, state: bytearray) -> bool: ...
+    def load_seq(self, seq_id: int, state: memoryview) -> bool: ...
 
 
 class SlotState(str, Enum):
@@ -492,7 +492,7 @@ class Scheduler:
         if cache is None or not cache.worth_saving(slot.cache):
             return
         try:
-            state = self._ctx.save_seq(slot.seq_id)
+            state = self._ctx.save_seq(slot.seq_id, cache.spare)
         except Exception:  # the state is an optimisation: serving goes on without it
             log.exception("saving slot %d's state (%d tokens) failed", slot.seq_id, len(slot.cache))
             return

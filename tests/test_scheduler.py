@@ -103,15 +103,18 @@ class FakeContext:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
-    def save_seq(self, seq_id: int) -> bytearray:
+    def save_seq(self, seq_id: int, buffer_for: Callable[[int], bytearray]) -> memoryview:
         self.saves.append(seq_id)
-        return bytearray(json.dumps(self.kv.get(seq_id, [])).encode())
+        data = json.dumps(self.kv.get(seq_id, [])).encode()
+        buffer = buffer_for(len(data))
+        buffer[:len(data)] = data
+        return memoryview(buffer)[:len(data)]
 
-    def load_seq(self, seq_id: int, state: bytearray) -> bool:
+    def load_seq(self, seq_id: int, state: memoryview) -> bool:
         if self.refuse_loads:
             return False
         assert not self.kv.get(seq_id), "a state is restored into an emptied slot"
-        self.kv[seq_id] = json.loads(state)
+        self.kv[seq_id] = json.loads(bytes(state))
         return True
 
 
