@@ -76,8 +76,8 @@ class PromptCache:
 
     def spare(self, size: int) -> bytearray:
         """A buffer of at least `size` bytes for the next save: a replaced state's, when one is large enough
-        (writing into fresh memory costs a page fault per page: 16-19 ms for 30 MiB on a small VM, more
-        than llama.cpp's copy), else a new one with HEADROOM for the next, longer state of a conversation."""
+        (writing into fresh memory costs a page fault per page, which on a small VM took longer than
+        llama.cpp's copy), else a new one with HEADROOM for the next, longer state of a conversation."""
         fits = [b for b in self._spares if len(b) >= size]
         if fits:
             buffer = min(fits, key=len)

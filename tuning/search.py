@@ -317,10 +317,7 @@ def finish(*, opts: SearchOptions, session: Session, storage: Any, study_name: s
                loads_label: loads, "time loading weights": f"{load_s:.1f} s"}
     summary = pick_summary(study_name, winner, rows, confirmed, opts) if winner is not None else None
     text = report.markdown(rows, winner, opts.prefer.value, context, "pareto.png", capacity_plot, summary)
-    if confirmed is not None:
-        text = text.replace("\n## Pareto front", f"\n{confirmed.section}\n## Pareto front", 1)
-    (out_dir / "report.md").write_text(text)
-    print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
+    write_report(out_dir, text, confirmed)
     if winner is None or summary is None:
         print(f"{report.no_pick(rows)} Nothing written.", file=sys.stderr)
         return 1
@@ -343,6 +340,14 @@ def finish(*, opts: SearchOptions, session: Session, storage: Any, study_name: s
     return 0
 
 
+def write_report(out_dir: Path, text: str, confirmed: Confirmation | None) -> None:
+    """report.md, with the confirmation round's section (when it ran) before the Pareto front."""
+    if confirmed is not None:
+        text = text.replace("\n## Pareto front", f"\n{confirmed.section}\n## Pareto front", 1)
+    (out_dir / "report.md").write_text(text)
+    print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
+
+
 def keep_served(opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None, confirmed: Confirmation,
                 context: dict[str, Any], out_dir: Path) -> int:
     """In place, when no candidate beat the config served now: the report says so, and nothing is written
@@ -351,9 +356,8 @@ def keep_served(opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None
 
     summary = confirmed.summary(opts.objective)
     report.plot(rows, best, out_dir / "pareto.png")
-    text = report.markdown(rows, best, opts.prefer.value, context, "pareto.png", kept=summary)
-    (out_dir / "report.md").write_text(text.replace("\n## Pareto front", f"\n{confirmed.section}\n## Pareto front", 1))
-    print(f"\nreport: {out_dir / 'report.md'}  plot: {out_dir / 'pareto.png'}")
+    write_report(out_dir, report.markdown(rows, best, opts.prefer.value, context, "pareto.png", kept=summary),
+                 confirmed)
     print(f"pick: {summary}. Nothing written or applied.")
     return 0
 

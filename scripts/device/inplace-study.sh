@@ -19,17 +19,8 @@ ARGS=("$@")
 BUILD=${BUILD:-/tmp/lcpp}
 MODEL=${MODEL:-/tmp/m27.gguf}
 URL=http://127.0.0.1:8000
-mkdir -p "$OUT"
-say() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/progress.log"; }
-finish() { echo "rc=$1" > "$OUT/done"; say "done rc=$1"; exit "$1"; }
-
-until [ -f "$BUILD/build.done" ]; do sleep 5; done
-grep -q "rc=0" "$BUILD/build.done" || { say "llama.cpp build failed: $(tail -5 "$BUILD/build.log")"; finish 3; }
-# shellcheck disable=SC1091
-source "$BUILD/env.sh"
-say "build ready; model"
-[ -f "$MODEL" ] || python3 scripts/make_synthetic_gguf.py --preset qwen27b --tokenizer-from "$DIR/tokenizer.gguf" \
-  --out "$MODEL" >> "$OUT/progress.log" 2>&1 || finish 4
+# shellcheck source=scripts/device/study-common.sh
+source "$(dirname "$0")/study-common.sh"  # say, finish; the build waited for, the model written
 ray stop --force > /dev/null 2>&1
 ray start --head --include-dashboard=false --num-gpus 1 > "$OUT/ray.log" 2>&1 || finish 5
 say "serve run"

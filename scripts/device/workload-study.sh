@@ -15,17 +15,8 @@ DIR=${1:?usage: workload-study.sh DIR OUT}
 OUT=${2:?usage: workload-study.sh DIR OUT}
 BUILD=${BUILD:-/tmp/lcpp}
 MODEL=${MODEL:-/tmp/m27.gguf}
-mkdir -p "$OUT"
-say() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/progress.log"; }
-finish() { echo "rc=$1" > "$OUT/done"; say "done rc=$1"; exit "$1"; }
-
-until [ -f "$BUILD/build.done" ]; do sleep 5; done
-grep -q "rc=0" "$BUILD/build.done" || { say "llama.cpp build failed: $(tail -5 "$BUILD/build.log")"; finish 3; }
-# shellcheck disable=SC1091
-source "$BUILD/env.sh"
-say "build ready; model"
-[ -f "$MODEL" ] || python3 scripts/make_synthetic_gguf.py --preset qwen27b --tokenizer-from "$DIR/tokenizer.gguf" \
-  --out "$MODEL" >> "$OUT/progress.log" 2>&1 || finish 4
+# shellcheck source=scripts/device/study-common.sh
+source "$(dirname "$0")/study-common.sh"  # say, finish; the build waited for, the model written
 
 say "agreement"
 python3 scripts/bench_agreement.py --engine model="$MODEL" --engine n_parallel=4 --engine n_ctx=8192 \
