@@ -111,11 +111,12 @@ async def deployed(port: int, args: dict[str, Any], load_timeout_s: float, reque
     environment; an HttpTarget named `name` once its /health says 200; the app deleted afterwards."""
     from ray import serve
 
-    from serving.app import main as build_app
+    from serving.app import AppArgs, main as build_app
 
     prefix = "/" if name == APP_NAME else f"/{name}"
     base = f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
-    app = _with_env(build_app({"config": str(REPO_ROOT / "configs" / "default.yaml"), **args}), env or {})
+    words = {"config": str(REPO_ROOT / "configs" / "default.yaml"), **args}
+    app = _with_env(build_app(AppArgs.model_validate(words)), env or {})
     target = None
     try:
         await asyncio.to_thread(serve.run, app, name=name, route_prefix=prefix)

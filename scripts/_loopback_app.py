@@ -94,14 +94,14 @@ class LoopbackApp:
         import ray
         from ray import serve
 
-        from serving.app import main
+        from serving.app import AppArgs, main
 
         t0 = time.monotonic()
         self._tmp = tempfile.mkdtemp(prefix="lst-ray-", dir="/tmp")  # short: Ray's socket paths are length-limited
         ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=self._tmp,
                  logging_level=logging.ERROR, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
-        serve.run(main(dict(self.app_args)), name=APP_NAME, route_prefix="/")
+        serve.run(main(AppArgs.model_validate(dict(self.app_args))), name=APP_NAME, route_prefix="/")
         self.wait_healthy(timeout_s - (time.monotonic() - t0))
         return time.monotonic() - t0
 

@@ -23,7 +23,6 @@ replica with a backlog (or one draining for a config change) gets less.
 import asyncio
 import contextlib
 import logging
-import threading
 from dataclasses import asdict
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,37 +32,37 @@ from serving import llama as _llama  # load order: ray before libllama, see serv
 
 from fastapi import Query
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
 from serving.api import APIError
 from serving.config import EngineConfig, available_cpus, default_threads, load_engine_config
-from serving.control import DEPLOYMENT_NAME, ConfigChannel, ConfigFollower
+from serving.control import DEPLOYMENT_NAME, ConfigChannel
 from serving.engine import Engine
+from serving.engine_host import EngineHost, HostLimits
 from serving.errors import EngineError
+from serving.http import HttpRules
 from serving.ingress import HealthReport, OpenAIIngress
 from serving.metrics import CONTENT_TYPE, ReplicaMetrics
-from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api, install_middleware
+from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api
 from serving.relay import RelayedPart, RelayedRequest, run_relayed
 from serving.request import SamplingParams
 from serving.routing import IN_TRIAL, ROUTER, ROUTING_STATS_PERIOD_S
 from serving.slot_files import (SlotAction, SlotFileBody, erased_answer, restored_answer, saved_answer,
                                 slot_file)
 from serving.traffic import TrafficSummary, merge_summaries
-from serving.trials import Measure, TrialHost, TrialRun
+from serving.trials import Measure, TrialRun
 
 log = logging.getLogger("serving")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 TUNED_CONFIG = REPO_ROOT / "configs" / "tuned.yaml"
-METRICS_SAMPLE_S = 1.0
 MAX_PART_SPACING_S = 0.25  # a stream's bytes never wait longer than this for company
 INTERVAL_MS = 50.0  # stream_interval_ms=auto where HTTP work has a core of its own (a GPU, or a spare core)
 CPU_BOUND_INTERVAL_MS = 200.0  # ... and where the decode threads take every core (docs/performance.md)
-LOAD_FAILED = "the model failed to load; the reason is in the server log"
 TRAFFIC_DEADLINE_S = 5.0  # /traffic waits this long for every replica's summary
 SLOT_WAIT_S = 60.0  # a slot file action waits this long for its slot to be idle
 
@@ -135,60 +134,6 @@ def stream_interval_ms(setting: float | Literal["auto"], config: EngineConfig, g
     return CPU_BOUND_INTERVAL_MS if on_cpu and every_core else INTERVAL_MS
 
 
-class BackgroundTasks:
-    """The replica's long-running asyncio tasks. The event loop keeps only weak references to tasks, so
-    these are held here; they are cancelled together on shutdown, and `ended()` names any that stopped
-    (check_health then reports the replica unhealthy rather than letting it run on half-working)."""
-
-    def __init__(self) -> None:
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-
-    def start(self, name: str, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        task.add_done_callback(_log_end)
-        self._tasks[name] = task
-
-    def ended(self) -> list[str]:
-        return [name for name, task in self._tasks.items() if task.done()]
-
-    def cancel_all(self) -> None:
-        """Cancel every task; safe from any thread (Serve calls __del__ on the replica's loop)."""
-        for task in self._tasks.values():
-            if task.done():
-                continue
-            loop = task.get_loop()
-            try:
-                if _running_loop() is loop:
-                    task.cancel()
-                elif not loop.is_closed():
-                    loop.call_soon_threadsafe(task.cancel)
-            except RuntimeError:  # the loop closed in between: the task is gone with it
-                pass
-
-
-def _log_end(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("background task %s stopped", task.get_name(), exc_info=task.exception())
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
-def _replica_api_key() -> str | None:
-    """The key of the replica serving this process (read by serving.openai's ApiKeyMiddleware)."""
-    replica: Any = serve.get_replica_context().servable_object
-    return replica.api_key
-
-
-def _replica_cors_origins() -> list[str]:
-    replica: Any = serve.get_replica_context().servable_object
-    return list(replica.cors_origins)
-
-
 async def gather_traffic(peers: Any, own: TrafficSummary) -> tuple[TrafficSummary, int | None]:
     """Every engine replica's traffic summary merged (`own` stands in for this replica if the broadcast
     missed it), and how many replicas did not answer in time. Where every replica cannot be asked (a Ray
@@ -211,172 +156,67 @@ async def gather_traffic(peers: Any, own: TrafficSummary) -> tuple[TrafficSummar
     return merge_summaries(summaries.values()), len(answers) - sum(isinstance(s, TrafficSummary) for s in answers)
 
 
-install_middleware(_replica_api_key, _replica_cors_origins)
-
-
 @serve.deployment(name=DEPLOYMENT_NAME, health_check_period_s=10)
 @serve.ingress(api)
 class LlamaServer(OpenAIRoutes):
-    """One replica: loads its engine in the background (so /health can say 503 while loading), then
-    follows config changes from Serve's user_config and from the app's ConfigChannel."""
+    """One engine replica: Serve's hooks, the relay from the ingress and the routes, around an EngineHost
+    (serving/engine_host.py) that loads the engine, follows config changes and hosts tuning trials."""
 
-    metrics: ReplicaMetrics
     app: ASGIApp  # this replica's FastAPI app (`api` bound to it), provided by Serve's ingress wrapper
+    metrics: ReplicaMetrics
 
     def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:
         self._options = ServerOptions(**options)
-        self.api_key = self._options.api_key
-        self.cors_origins = self._options.cors_origins
-        self._replica = serve.get_replica_context().replica_id.unique_id
-        self.metrics = ReplicaMetrics(self._replica)
-        self._engine: Engine | None = None
-        self._load_error: str | None = None  # for the operator (log, Serve, acks); clients see LOAD_FAILED
-        self._loaded = threading.Event()
-        self._loader: threading.Thread | None = None
-        self._closing = False
-        self._lock = asyncio.Lock()  # one config change at a time
-        self._tasks = BackgroundTasks()
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.host = EngineHost(replica, HostLimits(self._options.max_queued_requests, self._options.traffic_record,
+                                                   self._options.tuning_lease_s, self._options.config_poll_s),
+                               channel)
+        self.metrics = self.host.metrics
         self._relays = 0  # requests relayed from the ingress now in flight (their streams share the pace)
-        self._trials = TrialHost(self.ready_engine, self._lock, self._options.max_queued_requests,
-                                 self._options.tuning_lease_s)
-        self._follower = ConfigFollower(channel, self._replica, self._apply, self._options.config_poll_s)
         self._peers: DeploymentHandle | None = None  # this deployment's handle, for /traffic (made on first use)
-        self._shapes_seen = 0  # the traffic record's count the metrics have taken shapes up to
 
+    # -- Serve's hooks -------------------------------------------------------------------------------
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve calls this with the `user_config` at start and on every change of it."""
-        config = EngineConfig(**user_config["engine"])
-        if self._loader is None:  # first call: start loading, return at once (the replica is up)
-            self.metrics.model = config.served_name
-            self._loader = threading.Thread(target=self._load, args=(config,), daemon=True, name="engine-load")
-            self._loader.start()
-            self._tasks.start("metrics-sampler", self._sample_metrics())
-            self._tasks.start("config-follower", self._follower.run())
-            self._tasks.start("tuning-lease", self._expire_studies())
-            return
-        await self._apply(config)
-
-    async def _apply(self, config: EngineConfig) -> None:
-        """Switch the engine to `config`: drain, rebuild the context (weights kept if the model is the same)."""
-        self._trials.abandon()  # a trial still measuring gives the engine back (the lock) within a round
-        async with self._lock:
-            await asyncio.to_thread(self._loaded.wait)
-            if self._engine is None:  # the first load failed: try again with the new config
-                self._loaded.clear()
-                self._load_error = None
-                await asyncio.to_thread(self._load, config)
-                if self._engine is None:
-                    raise RuntimeError(self._load_error)
-            elif config != self._engine.config:
-                await asyncio.to_thread(self._engine.reconfigure, config)
-            self.metrics.model = config.served_name
-            self._trials.finish()  # a published config ends an in-place study: it is the pick, or the old one
-
-    def _load(self, config: EngineConfig) -> None:
-        try:
-            engine = Engine(config, max_queued=self._options.max_queued_requests,
-                            traffic_limit=self._options.traffic_record)
-        except Exception as exc:  # reported by /health and every request, never a crash loop
-            log.exception("engine load failed")
-            self._load_error = f"{type(exc).__name__}: {exc}"
-        else:
-            if self._closing:  # shut down while loading: nobody else will close it
-                engine.close()
-            else:
-                self._engine = engine
-        finally:
-            self._loaded.set()
-
-    async def _expire_studies(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            await self._trials.expire()
-
-    async def _sample_metrics(self) -> None:
-        while True:
-            await asyncio.sleep(METRICS_SAMPLE_S)
-            engine = self._engine
-            if engine is None:
-                continue
-            try:
-                self.metrics.record_snapshot(engine.stats())
-                self._record_shapes(engine)
-            except Exception:
-                log.warning("sampling the engine's metrics failed", exc_info=True)
-
-    def _record_shapes(self, engine: Engine) -> None:
-        """The request histograms take the shapes the traffic record got since they last looked (on the
-        event loop only: the sampler and /metrics, so `_shapes_seen` has one writer at a time)."""
-        shapes, self._shapes_seen = engine.traffic_since(self._shapes_seen)
-        self.metrics.record_shapes(shapes)
+        await self.host.take(EngineConfig(**user_config["engine"]))
 
     def check_health(self) -> None:
-        """Serve's own liveness probe: a replica whose step thread died, or whose config follower or
-        metrics sampler stopped, is restarted."""
-        engine = self._engine
-        if engine is not None and not engine.alive:
-            raise RuntimeError("the engine's step thread has stopped")
-        ended = self._tasks.ended()
-        if ended and not self._closing:
-            raise RuntimeError(f"background task(s) {ended} stopped")
+        """Serve's liveness probe: a replica whose step thread died, or whose config follower or metrics
+        sampler stopped, is restarted."""
+        failure = self.host.failure()
+        if failure is not None:
+            raise RuntimeError(failure)
 
     def __del__(self) -> None:
-        """Serve calls this on shutdown: stop the background tasks, then the engine."""
-        self._closing = True
-        if hasattr(self, "_tasks"):  # absent if __init__ failed early
-            self._tasks.cancel_all()
-        engine, self._engine = getattr(self, "_engine", None), None
-        if engine is not None:
-            engine.close()
-
-    # -- for the routes ------------------------------------------------------------------------------
-    def ready_engine(self) -> Engine:
-        engine = self._engine
-        if engine is None:
-            if self._loaded.is_set() and self._load_error:
-                raise APIError(503, LOAD_FAILED, type_="server_error", code="model_load_failed")
-            raise APIError(503, "the model is still loading; retry shortly", type_="server_error",
-                           code="model_loading", headers={"Retry-After": "2"})
-        return engine
-
-    @contextlib.asynccontextmanager
-    async def engine_turn(self) -> AsyncIterator[Engine]:
-        """A client request's turn on the engine: it waits while an in-place trial has it."""
-        async with self._trials.client_turn():
-            yield self.ready_engine()
-
-    # -- in-place tuning (tuning/inplace.py calls these through a handle) -----------------------------
-    async def served_config(self) -> dict[str, Any]:
-        """The config this replica serves (outside a study's trials)."""
-        study = self._trials.study
-        return (study.serving if study is not None else self.ready_engine().config).to_yaml_dict()
-
-    async def tune_trial(self, study: str, trials: int, config: dict[str, Any], measure: Measure) -> TrialRun:
-        """A trial of an in-place study, on this replica's engine and weights (serving/trials.py)."""
-        return await self._trials.run_trial(study, trials, EngineConfig(**config), measure)
+        """Serve calls this on shutdown."""
+        if hasattr(self, "host"):  # absent if __init__ failed early
+            self.host.close()
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request router (serving/routing.py): whether a trial holds the engine."""
-        return {IN_TRIAL: self._trials.busy_with_trials}
+        return {IN_TRIAL: self.host.trials.busy_with_trials}
 
-    # -- control routes: they read state only, never take a slot or wait for the engine --------------
-    @api.get("/health", responses={503: {"description": "loading, the model failed to load, or no replica is up"}})
-    async def health(self) -> JSONResponse:
-        """200 once the engine serves; 503 while loading, after a failed load, or if the engine stopped.
-        (The app's ingress answers /health from health_report; this route documents it and serves a
-        replica reached directly.)"""
-        return self.health_report().response()
+    # -- for the routes ------------------------------------------------------------------------------
+    def ready_engine(self) -> Engine:
+        return self.host.ready_engine()
 
+    @contextlib.asynccontextmanager
+    async def engine_turn(self) -> AsyncIterator[Engine]:
+        async with self.host.engine_turn() as engine:
+            yield engine
+
+    # -- in-place tuning (tuning/inplace.py calls these through a handle) -----------------------------
+    async def served_config(self) -> dict[str, Any]:
+        return self.host.served_config()
+
+    async def tune_trial(self, study: str, trials: int, config: dict[str, Any], measure: Measure) -> TrialRun:
+        """A trial of an in-place study, on this replica's engine and weights (serving/trials.py)."""
+        return await self.host.tune_trial(study, trials, config, measure)
+
+    # -- the relay from the ingress ------------------------------------------------------------------
     def health_report(self) -> HealthReport:
-        """This replica's state for /health: read only, never waits for the engine."""
-        engine = self._engine
-        if engine is not None and engine.alive:
-            return HealthReport(200, {"status": "ok"})
-        if engine is not None:
-            return HealthReport(503, {"status": "error", "error": "the engine has stopped"})
-        if self._loaded.is_set() and self._load_error:
-            return HealthReport(503, {"status": "error", "error": LOAD_FAILED})
-        return HealthReport(503, {"status": "loading"}, {"Retry-After": "2"})
+        """What the ingress's health watch asks every 0.5 s."""
+        return self.host.health_report()
 
     async def forward(self, request: RelayedRequest) -> AsyncIterator[RelayedPart]:
         """A request the ingress relayed, answered by this replica's own routes (serving/relay.py)."""
@@ -392,7 +232,7 @@ class LlamaServer(OpenAIRoutes):
         stream that can be generating (relayed requests, at most one per slot), so this replica sends about
         1000 / stream_interval_ms events and parts a second however many streams share it; never over
         MAX_PART_SPACING_S."""
-        engine = self._engine
+        engine = self.host.engine
         if engine is None:
             return 0.0
         generating = min(self._relays, engine.config.n_parallel)
@@ -401,10 +241,17 @@ class LlamaServer(OpenAIRoutes):
                                       default_threads())
         return min(interval / 1000 * max(1, generating), MAX_PART_SPACING_S)
 
+    @api.get("/health", responses={503: {"description": "loading, the model failed to load, or no replica is up"}})
+    async def health(self) -> JSONResponse:
+        """200 once the engine serves; 503 while loading, after a failed load, or if the engine stopped.
+        (The app's ingress answers /health from health_report; this route documents it.)"""
+        return self.host.health_report().response()
+
+    # -- control routes: they read state only, never take a slot or wait for the engine --------------
     @api.get("/slots", responses=ERROR_RESPONSES)
     async def slots(self) -> dict[str, Any]:
         """Slots, queue, counters and the running config, like llama-server's /slots plus /props."""
-        return {"replica": self._replica, **self.ready_engine().stats(), "tuning": self._trials.state()}
+        return {"replica": self.host.replica, **self.ready_engine().stats(), "tuning": self.host.trials.state()}
 
     @api.post("/slots/{slot_id}", responses=ERROR_RESPONSES)
     async def slot_action(self, slot_id: int, action: SlotAction, body: SlotFileBody | None = None
@@ -447,11 +294,11 @@ class LlamaServer(OpenAIRoutes):
     @api.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
     async def prometheus(self) -> Response:
         """Prometheus text exposition of this replica's metrics (queue and slot gauges read now)."""
-        engine, stats = self._engine, None
+        engine, stats = self.host.engine, None
         if engine is not None:
             try:
                 stats = engine.stats()
-                self._record_shapes(engine)
+                self.host.record_shapes(engine)
             except Exception:
                 log.warning("reading the engine's stats for /metrics failed", exc_info=True)
         return Response(self.metrics.exposition(stats), media_type=CONTENT_TYPE)
@@ -472,10 +319,7 @@ class LlamaServer(OpenAIRoutes):
 
     async def traffic_summary(self) -> TrafficSummary:
         """This replica's traffic record as a value (what /traffic asks every replica for)."""
-        engine = self._engine
-        if engine is None:
-            return TrafficSummary.empty(self._replica, self._options.traffic_record)
-        return engine.traffic_summary(self._replica)
+        return self.host.traffic_summary()
 
     def _peer_handle(self) -> DeploymentHandle | None:
         """A handle on this replica's own deployment, to ask all its replicas; None outside a Serve app."""
@@ -489,18 +333,34 @@ class LlamaServer(OpenAIRoutes):
         return self._peers
 
 
-def _split_args(args: dict[str, Any]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
-    """Separate `config=FILE`, EngineConfig overrides and ServerOptions from the builder's args."""
-    args = dict(args)
-    config_path = _resolve(args.pop("config", None) or (TUNED_CONFIG if TUNED_CONFIG.exists() else DEFAULT_CONFIG))
-    engine_keys = set(EngineConfig.model_fields)
-    server_keys = set(ServerOptions.model_fields)
-    unknown = set(args) - engine_keys - server_keys
-    if unknown:
-        raise ValueError(f"unknown argument(s) {sorted(unknown)}; engine settings are {sorted(engine_keys)}, "
-                         f"server settings are {sorted(server_keys)}")
-    return (config_path, {k: v for k, v in args.items() if k in engine_keys},
-            {k: v for k, v in args.items() if k in server_keys})
+class AppArgs(BaseModel):
+    """The app's arguments, validated in one place: `serve run serving.app:main [config=FILE] [KEY=VALUE ...]`
+    (Serve validates its words into this model before calling the builder) or `main({...})`. A KEY is an
+    EngineConfig field (over the config file's) or a ServerOptions field; anything else is an error that
+    lists both."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: Path = Field(description="the engine config file")
+    engine: EngineConfig
+    server: ServerOptions
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_words(cls, words: Any) -> Any:
+        """Flat words (what `serve run` passes) become the three parts; an already split dict passes."""
+        if not isinstance(words, dict) or "engine" in words and isinstance(words["engine"], EngineConfig):
+            return words
+        words = dict(words)
+        config = _resolve(words.pop("config", None) or (TUNED_CONFIG if TUNED_CONFIG.exists() else DEFAULT_CONFIG))
+        engine_keys, server_keys = set(EngineConfig.model_fields), set(ServerOptions.model_fields)
+        unknown = set(words) - engine_keys - server_keys
+        if unknown:
+            raise ValueError(f"unknown argument(s) {sorted(unknown)}; engine settings are {sorted(engine_keys)}, "
+                             f"server settings are {sorted(server_keys)}")
+        return {"config": config,
+                "engine": load_engine_config(config, {k: v for k, v in words.items() if k in engine_keys}),
+                "server": {k: v for k, v in words.items() if k in server_keys}}
 
 
 def _resolve(path: str | Path) -> Path:
@@ -528,7 +388,8 @@ def _gpus_available() -> int:
 
 
 def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Application:
-    """The Serve application for one engine config: replicas, routing limits, resources."""
+    """The Serve application for one engine config: the ingress with its HTTP rules bound, the engine
+    replicas (routing limits, resources), the config channel."""
     gpus = _gpus_available()
     replicas = options.num_replicas
     if replicas == "auto":
@@ -548,15 +409,15 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
     engines = deployment.bind(options.model_dump(), ConfigChannel.bind())  # type: ignore[attr-defined]
     ingress = OpenAIIngress.options(  # type: ignore[attr-defined]
         max_ongoing_requests=int(replicas) * options.max_ongoing_requests + options.control_headroom)
-    return ingress.bind(engines)
+    return ingress.bind(engines, HttpRules(options.api_key, tuple(options.cors_origins)))
 
 
-def main(args: dict[str, Any] | None = None) -> serve.Application:
-    """App builder for `serve run serving.app:main [config=FILE] [KEY=VALUE ...]`.
+def main(args: AppArgs) -> serve.Application:
+    """App builder for `serve run serving.app:main [config=FILE] [KEY=VALUE ...]` (AppArgs says what they
+    are; called directly, a plain dict of the same words does too).
 
     Loads configs/tuned.yaml when the tuner has written one, else configs/default.yaml.
     """
-    config_path, engine_overrides, server_args = _split_args(args or {})
-    engine_config = load_engine_config(config_path, engine_overrides)
-    log.info("serving %s with %s (from %s)", engine_config.model_path, engine_config, config_path)
-    return build_app(engine_config, ServerOptions(**server_args))
+    args = AppArgs.model_validate(args)
+    log.info("serving %s with %s (from %s)", args.engine.model_path, args.engine, args.config)
+    return build_app(args.engine, args.server)

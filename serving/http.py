@@ -1,5 +1,5 @@
-"""The HTTP room: what every request meets before any route, shared by the engine replicas' app and the
-ingress that holds no model (so importing this loads no libllama: tests/test_rooms.py says so).
+"""The HTTP room: what every request meets before any route, shared by the ingress that holds no model
+(so importing this loads no libllama: tests/test_rooms.py says so) and the engine replicas' app.
 
 The body limit, the API key (Bearer or llama-server's X-Api-Key, compared in constant time), the request id,
 OpenAI's error JSON, CORS for browsers, the catch-all 500 that names the request id, and the SSE `[DONE]`.
@@ -13,13 +13,14 @@ import hmac
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.api import APIError, internal_error
@@ -96,6 +97,23 @@ def refusal_of(scope: Scope, key: str | None) -> APIError | None:
     return None
 
 
+@dataclass(frozen=True)
+class HttpRules:
+    """What the app's front door enforces, fixed when the app is built (ServerOptions' api_key and
+    cors_origins): the ingress holds them, so no request looks anything up at run time."""
+
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+
+    def around(self, app: ASGIApp) -> ASGIApp:
+        """`app` behind these rules: CORS outermost (a browser's preflight needs no key), then the guard."""
+        guarded = GuardMiddleware(app, key=self.api_key)
+        if not self.cors_origins:
+            return guarded
+        return CORSMiddleware(guarded, allow_origins=list(self.cors_origins), allow_methods=["*"],
+                              allow_headers=["*"], expose_headers=["Retry-After", "X-Request-ID"])
+
+
 class GuardMiddleware:
     """Pure ASGI, around every route (no per-chunk cost on streams, unlike BaseHTTPMiddleware):
 
@@ -103,12 +121,12 @@ class GuardMiddleware:
        a generic 500 naming that id, no exception text (not re-raised, unlike Starlette's own handler);
     2. a body larger than MAX_BODY_BYTES is a JSON 413: at once when Content-Length says so, else when
        reading it passes the limit (FastAPI's own max_body_size answers the first case in plain text);
-    3. when the replica has an API key (`key_of()`), every route but PUBLIC_PATHS needs it, checked before
-       the body is read: an unauthenticated client learns nothing about what a valid request looks like.
+    3. with an API key, every route but PUBLIC_PATHS needs it, checked before the body is read: an
+       unauthenticated client learns nothing about what a valid request looks like.
     """
 
-    def __init__(self, app: ASGIApp, key_of: Callable[[], str | None]) -> None:
-        self.app, self.key_of = app, key_of
+    def __init__(self, app: ASGIApp, key: str | None = None) -> None:
+        self.app, self.key = app, key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -127,40 +145,36 @@ class GuardMiddleware:
             message = await receive()
             received += len(message.get("body", b""))
             if received > MAX_BODY_BYTES:
-                raise StarletteHTTPException(413, too_large().message)  # answered by _http_error
+                raise StarletteHTTPException(413, too_large().message)  # answered by the app's handler
             return message
 
         try:
-            refusal = refusal_of(scope, self.key_of())
+            refusal = refusal_of(scope, self.key)
             if refusal is not None:
                 await error_response(refusal)(scope, receive, send)
                 return
             await self.app(scope, limited_receive, tracking_send)
+        except StarletteHTTPException as exc:  # from limited_receive, in an app with no handler for it
+            if not started:
+                err = too_large() if exc.status_code == 413 else APIError(exc.status_code, str(exc.detail))
+                await error_response(err)(scope, receive, send)
         except Exception:
             rid = request_id(Headers(scope=scope))
             log.exception("unhandled error on %s %s (request id %s)", scope.get("method"), scope.get("path"), rid)
             if not started:  # else the response is under way and can only be cut
                 await error_response(internal_error(rid))(scope, receive, send)
 
-class DynamicCORSMiddleware:
-    """CORS for browser clients, with the origins of the replica that serves (ServerOptions.cors_origins):
-    Starlette's CORSMiddleware, built on the first request, once the replica's options are known. No
-    origins configured: no CORS headers, as before."""
 
-    def __init__(self, app: ASGIApp, origins_of: Callable[[], list[str]]) -> None:
-        self.app, self.origins_of = app, origins_of
-        self._inner: ASGIApp | None = None
+class AsgiAnswer(Response):
+    """A Serve deployment's answer that is a whole ASGI app run on the request (Serve calls a returned
+    Response with the request's own scope, receive and send): how the ingress puts its rules around it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        super().__init__()
+        self._app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # lifespan events come before the replica exists
-            await self.app(scope, receive, send)
-            return
-        if self._inner is None:
-            origins = self.origins_of()
-            self._inner = CORSMiddleware(self.app, allow_origins=origins, allow_methods=["*"],
-                                         allow_headers=["*"], expose_headers=["Retry-After", "X-Request-ID"]) \
-                if origins else self.app
-        await self._inner(scope, receive, send)
+        await self._app(scope, receive, send)
 
 
 def responses_error(err: APIError) -> dict[str, Any]:

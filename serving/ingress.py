@@ -5,10 +5,10 @@ engine-host split) that takes every HTTP request.
   it answers at once even while the only engine replica is dead or restarting (then 503), where Serve's
   proxy would hold a request for that replica until a new one exists, and while the engine replica's event
   loop is busy with a flood of requests.
-- Every other request is refused here when its body is over the limit, else relayed to an engine replica
-  (serving/relay.py), whose own app answers it, API key and CORS included (so refusals carry the CORS
-  headers a browser needs to read them). Serve routes each relayed request to the replica with the fewest
-  ongoing requests, as the proxy did.
+- The HTTP rules are kept here, bound when the app is built (serving/http.py's HttpRules): CORS, the API
+  key, the body limit. Every request that passes them is relayed to an engine replica (serving/relay.py),
+  whose own app answers it; CORS wraps the relayed answer and every refusal alike, so a browser can read
+  both. Serve routes each relayed request to the replica with the fewest ongoing requests.
 - A lost engine replica is a clean error: 503 with OpenAI's error JSON and Retry-After before the answer
   started, an error event and `[DONE]` in a stream it cut.
 """
@@ -24,11 +24,12 @@ from typing import Any, cast
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
-from serving.api import APIError
-from serving.http import MAX_BODY_BYTES, error_response, refusal_of, request_id, route_path, too_large
+from serving.http import AsgiAnswer, HttpRules, request_id, route_path
 from serving.relay import PartStream, RelayedRequest, RelayResponse
 
 log = logging.getLogger("serving")
@@ -97,11 +98,12 @@ class HealthWatch:
 class OpenAIIngress:
     """Takes every HTTP request of the app; holds no model, so it is never the one that is down."""
 
-    async def __init__(self, engines: DeploymentHandle) -> None:  # type: ignore[misc]
+    async def __init__(self, engines: DeploymentHandle, rules: HttpRules | None = None) -> None:  # type: ignore[misc]
         """Async, as Serve allows: the health watch starts on the replica's own event loop."""
         self._streaming = engines.options(stream=True)
         self._health = HealthWatch(engines.health_report.remote)
         self._watch = asyncio.get_running_loop().create_task(self._health.run(), name="health-watch")
+        self._front = (rules or HttpRules()).around(self._answer)
 
     def check_health(self) -> None:
         """Serve's liveness probe: an ingress that stopped watching its engines is replaced."""
@@ -113,30 +115,34 @@ class OpenAIIngress:
             self._watch.cancel()
 
     async def __call__(self, request: Request) -> Response:
-        scope = request.scope
-        if request.method == "GET" and route_path(scope) == HEALTH_PATH:
-            return self._health.report().response()
-        refusal = refusal_of(scope, key=None)  # the key is the engine replica's to check, with CORS
-        if refusal is not None:
-            return error_response(refusal)
-        try:
-            body = await _bounded_body(request)
-        except APIError as err:
-            return error_response(err)
+        return AsgiAnswer(self._front)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Past the rules: /health from the watch, anything else relayed (its body read through the rules'
+        bound on receive)."""
+        if scope["method"] == "GET" and route_path(scope) == HEALTH_PATH:
+            await self._health.report().response()(scope, receive, send)
+            return
+        body = await _body(receive)
+        if body is None:  # the client left before its request arrived: nobody to answer
+            return
         parts = self._streaming.forward.remote(RelayedRequest.of(scope, body))
-        return RelayResponse(cast(PartStream, parts), scope["path"], request_id(request.headers), self._health.lost)
+        rid = request_id(Headers(scope=scope))
+        await RelayResponse(cast(PartStream, parts), scope["path"], rid, self._health.lost)(scope, receive, send)
 
 
 async def _result(response: Any) -> Any:
     return await response
 
 
-async def _bounded_body(request: Request) -> bytes:
-    """The whole body, refused with a 413 once it passes MAX_BODY_BYTES (whatever Content-Length said)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large()
-        chunks.append(chunk)
+async def _body(receive: Receive) -> bytes | None:
+    """The whole request body (the rules' receive refuses one over the limit as it passes it); None if the
+    client went away first."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
     return b"".join(chunks)

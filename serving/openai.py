@@ -35,7 +35,7 @@ from serving.reasoning import ReasoningFormat
 from serving.request import (FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage, paced,
                              unpaced)
 from serving.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
-from serving.http import (DONE, DynamicCORSMiddleware, GuardMiddleware, error_response, request_id,
+from serving.http import (DONE, GuardMiddleware, error_response, request_id,
                           responses_error)
 from serving.structured import GrammarError, constraint_grammar, tool_call_grammar
 from serving.tools import CallMode, messages_for_plain_template
@@ -46,11 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("serving")
 T = TypeVar("T")
-
-
-
-
-
 
 
 class _App(FastAPI):
@@ -90,12 +85,9 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
                                    headers=dict(exc.headers) if exc.headers else None))
 
 
-
-
-
-def install_middleware(key_of: Callable[[], str | None], origins_of: Callable[[], list[str]]) -> None:
-    api.add_middleware(GuardMiddleware, key_of=key_of)
-    api.add_middleware(DynamicCORSMiddleware, origins_of=origins_of)  # outermost: preflights need no key
+# The catch-all and the body limit. The API key and CORS are the ingress's (serving/ingress.py), bound when the
+# app is built: this app is reached only through it.
+api.add_middleware(GuardMiddleware)
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -118,9 +110,6 @@ def _event(body: dict[str, Any]) -> str:
 
 
 GENERATION_FAILED = "generation failed"
-
-
-
 
 
 def _generation_failed(chunk: GenerationChunk) -> APIError:

@@ -207,10 +207,10 @@ def test_follower_loop_keeps_following_through_every_kind_of_failure() -> None:
 
 @pytest.mark.engine
 def test_background_tasks_are_held_reported_when_they_stop_and_cancelled_together() -> None:
-    from serving import app as serving_app
+    from serving import engine_host
 
     async def scenario() -> None:
-        tasks = serving_app.BackgroundTasks()
+        tasks = engine_host.BackgroundTasks()
         running = asyncio.Event()
 
         async def forever() -> None:
@@ -465,3 +465,31 @@ def test_killed_replica_is_replaced_and_no_request_hangs(two: str) -> None:
             return [r.status_code for r in rs if r.status_code != 200 or assert_generated(r.json())]
 
     assert asyncio.run(burst()) == [200] * 4
+
+
+# -- the app's arguments: one validated model at the builder -----------------------------------------
+@pytest.mark.engine
+def test_the_builder_validates_its_words_into_one_model_and_binds_the_http_rules(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve run serving.app:main KEY=VALUE ...`: Serve validates the words into AppArgs (the builder's
+    annotation) before it builds; the API key and CORS origins are bound to the ingress then."""
+    from pydantic import ValidationError
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from serving import app as serving_app
+    from serving.http import HttpRules
+
+    monkeypatch.setattr(serving_app, "_gpus_available", lambda: 0)
+    words = {"n_parallel": "3", "n_ctx": "3072", "api_key": "k", "cors_origins": "https://a.example, https://b.example"}
+    application = call_user_app_builder_with_args_if_necessary(serving_app.main, words)
+    ingress = deployment_of(application)
+    assert ingress.init_args[1] == HttpRules("k", ("https://a.example", "https://b.example"))
+    assert engines_of(application).user_config["engine"]["n_parallel"] == 3
+    parsed = serving_app.AppArgs.model_validate(words)
+    assert parsed.engine.n_ctx == 3072 and parsed.server.api_key == "k" and parsed.config.name.endswith(".yaml")
+    with pytest.raises(ValidationError, match="unknown argument.*'n_paralel'.*engine settings are"):
+        serving_app.AppArgs.model_validate({"n_paralel": 2})
+    with pytest.raises(ValidationError, match="n_parallel"):  # a bad engine value, at build, not in a replica
+        call_user_app_builder_with_args_if_necessary(serving_app.main, {"n_parallel": "0"})
+    with pytest.raises(ValidationError, match="max_queued_requests"):
+        serving_app.AppArgs.model_validate({"max_queued_requests": -1})

@@ -48,3 +48,55 @@ def test_binding_calls_live_in_serving_llama_alone() -> None:
                     a.name in ("llama_cpp", "ll") for a in node.names):
                 offenders.append(f"{path.name}:{node.lineno} takes the raw bindings from serving.llama")
     assert offenders == []
+
+
+def _front(rules: object) -> object:
+    """An ASGI app behind `rules` that echoes the body it read (the ingress's relay stands in)."""
+    from starlette.responses import JSONResponse
+
+    from serving.http import HttpRules
+
+    assert isinstance(rules, HttpRules)
+
+    async def echo(scope, receive, send):  # type: ignore[no-untyped-def]
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        await JSONResponse({"bytes": len(body)})(scope, receive, send)
+
+    return rules.around(echo)
+
+
+def test_the_front_door_keeps_the_key_cors_and_body_limit_it_was_built_with() -> None:
+    """HttpRules, bound when the app is built, around the ingress: the key on every route but /health, a
+    preflight answered without it, CORS headers on answers and refusals alike, the body limit as JSON 413
+    even when no Content-Length announced it."""
+    from starlette.testclient import TestClient
+
+    from serving.http import MAX_BODY_BYTES, HttpRules
+
+    client = TestClient(_front(HttpRules("sekrit", ("https://app.example",))))  # type: ignore[arg-type]
+    assert client.get("/health").status_code == 200
+    denied = client.post("/v1/completions", json={}, headers={"Origin": "https://app.example"})
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    assert denied.headers["access-control-allow-origin"] == "https://app.example"  # a browser can read why
+    ok = client.post("/v1/completions", content=b"abc", headers={"Authorization": "Bearer sekrit"})
+    assert ok.status_code == 200 and ok.json() == {"bytes": 3} and "access-control-allow-origin" not in ok.headers
+    preflight = client.options("/v1/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "https://app.example"
+    other = client.options("/v1/completions", headers={"Origin": "https://evil.example",
+                                                       "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in other.headers
+
+    def chunks():  # type: ignore[no-untyped-def]
+        for _ in range(MAX_BODY_BYTES // (1 << 20) + 1):
+            yield b"x" * (1 << 20)
+
+    big = client.post("/v1/completions", content=chunks(), headers={"Authorization": "Bearer sekrit"})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    open_door = TestClient(_front(HttpRules()))  # type: ignore[arg-type]
+    assert open_door.post("/v1/completions", content=b"{}").json() == {"bytes": 2}
