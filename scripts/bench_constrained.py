@@ -1,38 +1,56 @@
 #!/usr/bin/env python3
-"""What constrained decoding costs per token: each request under a grammar the API builds (json_object, a JSON
-schema, a forced tool call) and the same request unconstrained, through our engine, interleaved.
+"""What constrained decoding costs per token: each request under a constraint the API builds (json_object, a
+JSON schema, a forced tool call) and the same request unconstrained, through our engine, interleaved; each
+constraint both as the server compiles it (an llguidance guide, a token mask) and as GBNF through llama.cpp's
+grammar sampler (rows marked "(GBNF)": the candidate it replaced, kept side by side).
 
 The unconstrained twin has the same prompt and generates as many tokens as the constrained run did (EOS
 ignored), so the ratio is the grammar's cost alone: a tool call's prompt (the tools listed) is longer than a
 plain question's, and a longer context decodes slower whatever constrains it. Reported per mode: median decode
 tok/s of a single stream (after its first token) constrained and unconstrained, ms per token, the median of the
 per-round ratios (the twin runs right after its constrained run), and how often the grammar rejected the
-model's own choice (greedy: then the best candidates
-are checked one by one, serving/llama.py). Greedy; each round alternates the order.
+model's own choice (then a guide samples from its mask; GBNF checks the best candidates one by one,
+serving/llama.py). Greedy; each round alternates the order.
+
+With `--llama-server BINARY`, llama-server (same model, one slot) gets the same requests through its own API
+(`response_format` json_object and json_schema; the forced tool call as the same rendered prompt and the same
+grammar, its `grammar` field: with a chat template that knows no tools, as the embedded model's, llama-server
+renders no tools and forces none) and the same unconstrained twins (`ignore_eos`), after ours; its decode rate
+is its own `timings.predicted_per_second`, and each constrained answer of its that ended by itself is checked
+(JSON; the schema's fields; one call of the tool, JSON arguments).
 
     python scripts/bench_constrained.py --rounds 5 --out docs/results/bench_constrained_cpu.json
     python scripts/bench_constrained.py --model big.gguf --gpu-layers -1     # the GPU model
+    python scripts/bench_constrained.py --llama-server .llama-build/bin/llama-server --server-args "-t 2"
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+from dataclasses import dataclass
+import json
+import shlex
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
+from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter  # noqa: E402  (pure Python: GBNF, the reference)
 from measure.provenance import provenance, write_report  # noqa: E402
+from measure.targets import llama_server, llama_server_flags  # noqa: E402
 from serving.config import EngineConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
-from serving.request import FinishReason, GenerationChunk, SamplingParams, Usage  # noqa: E402
-from serving.structured import json_schema_grammar, response_format_grammar, tool_call_grammar  # noqa: E402
+from serving.request import (Constraint, ConstraintKind, FinishReason, GenerationChunk, SamplingParams,  # noqa: E402
+                             Usage)
+from serving.structured import (ANSWER_BOUNDS, CALL_BOUNDS, bounded, response_format_guide,  # noqa: E402
+                                tool_call_guide)
 from serving.tools import messages_for_plain_template  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
@@ -45,15 +63,43 @@ WEATHER: dict[str, Any] = {"type": "function", "function": {"name": "get_weather
     "required": ["city", "unit"]}}}
 
 
-def modes() -> dict[str, tuple[str, str | None, bool]]:
-    """mode -> (user message, grammar, tools shown)."""
+@dataclass(frozen=True)
+class Mode:
+    """One kind of constrained request: its question, whether tools are shown, and its constraint as the
+    server compiles it (an llguidance guide) and as GBNF (llama.cpp's grammar sampler, the reference)."""
+
+    text: str
+    tools: bool
+    guide: Constraint
+    gbnf: str
+
+
+def gbnf_of(schema: dict[str, Any], rule: str = "") -> tuple[str, str]:
+    """GBNF rules for a JSON schema (llama-cpp-python's converter, as llama-server's Python tooling) and the
+    name of its top rule."""
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    top = converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), "request"), rule)
+    return str(converter.format_grammar()), str(top)
+
+
+def modes() -> dict[str, Mode]:
+    """The constrained modes: the forced call's GBNF is the same Hermes-style block the guide describes."""
+    params = WEATHER["function"]["parameters"]
+    call = {"type": "object", "properties": {"name": {"const": "get_weather"},
+                                             "arguments": bounded(params, CALL_BOUNDS)},
+            "required": ["name", "arguments"], "additionalProperties": False}
+    rules, top = gbnf_of(call, "call")
+    tool_gbnf = f'root ::= "<tool_call>\\n" {top} "\\n</tool_call>"\n{rules}'
+    json_object = response_format_guide("json_object")
+    assert json_object is not None
     return {
-        "none": ("Describe a person: name, age, city and hobbies.", None, False),
-        "json_object": ("Describe a person as JSON: name, age, city and hobbies.",
-                        response_format_grammar("json_object"), False),
-        "json_schema": ("Describe a person: name, age, city and hobbies.", json_schema_grammar(PERSON), False),
-        "tool_call": ("What's the weather in Paris, in celsius?",
-                      tool_call_grammar([("get_weather", WEATHER["function"]["parameters"])], parallel=False), True),
+        "json_object": Mode("Describe a person as JSON: name, age, city and hobbies.", False, json_object,
+                            JSON_GBNF),
+        "json_schema": Mode("Describe a person: name, age, city and hobbies.", False,
+                            response_format_guide("json_schema", PERSON) or json_object,
+                            gbnf_of(bounded(PERSON, ANSWER_BOUNDS))[0]),
+        "tool_call": Mode("What's the weather in Paris, in celsius?", True,
+                          tool_call_guide([("get_weather", params)], parallel=False), tool_gbnf),
     }
 
 
@@ -74,14 +120,108 @@ def generate(engine: Engine, tokens: list[int], params: SamplingParams) -> Usage
     return last.usage
 
 
-def run(engine: Engine, text: str, grammar: str | None, tools: bool, n: int, gen: int,
+def run(engine: Engine, text: str, constraint: Constraint | None, tools: bool, n: int, gen: int,
         ignore_eos: bool = False) -> dict[str, Any]:
     before = engine.stats()["counters"]
-    usage = generate(engine, prompt(engine, text, tools, n), SamplingParams(max_tokens=gen, temperature=0.0,
-                                                                            grammar=grammar, ignore_eos=ignore_eos))
+    params = SamplingParams(max_tokens=gen, temperature=0.0, constraint=constraint, ignore_eos=ignore_eos)
+    usage = generate(engine, prompt(engine, text, tools, n), params)
     after = engine.stats()["counters"]
     return {"decode_tok_s": usage.decode_tok_s, "tokens": usage.completion_tokens,
             "resamples": after.get("grammar_resamples", 0) - before.get("grammar_resamples", 0)}
+
+
+def server_body(name: str, mode: Mode, n: int, max_tokens: int, twin: bool) -> dict[str, Any]:
+    """The request as llama-server's API says it: the mode's own fields, or (the twin) none of them."""
+    messages = [{"role": "user", "content": f"(request {n}) {mode.text}"}]
+    body: dict[str, Any] = {"messages": messages_for_plain_template(messages, [WEATHER]) if mode.tools else messages,
+                            "max_tokens": max_tokens, "temperature": 0.0, "stream": False}
+    if mode.tools and not twin:
+        body["grammar"] = mode.gbnf
+    if twin:
+        body["ignore_eos"] = True
+    elif name == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif name == "json_schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    return body
+
+
+def check_answer(name: str, message: dict[str, Any], finish: str) -> None:
+    """A constrained answer that ended by itself must be what was asked (one cut at max_tokens cannot be)."""
+    if finish == "length":
+        return
+    if name == "tool_call":
+        content = message.get("content") or ""
+        opening, closing = "<tool_call>\n", "\n</tool_call>"
+        if not (content.startswith(opening) and content.endswith(closing)):
+            raise RuntimeError(f"llama-server's forced tool call gave {content!r}")
+        call = json.loads(content[len(opening):-len(closing)])
+        if call.get("name") != "get_weather" or not isinstance(call.get("arguments"), dict):
+            raise RuntimeError(f"llama-server's forced tool call gave {call!r}")
+    else:
+        value = json.loads(message.get("content") or "")
+        if name == "json_schema" and not set(cast(list[str], PERSON["required"])) <= set(value):
+            raise RuntimeError(f"llama-server's json_schema answer lacks fields: {value!r}")
+
+
+async def server_round(client: Any, base: str, name: str, mode: Mode, n: int, gen: int
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One constrained request to llama-server and its unconstrained twin of as many tokens."""
+    async def post(body: dict[str, Any]) -> dict[str, Any]:
+        resp = await client.post(f"{base}/v1/chat/completions", json=body)
+        if resp.status_code != 200:
+            raise RuntimeError(f"llama-server answered {resp.status_code}: {resp.text[:300]}")
+        return dict(resp.json())
+
+    answer = await post(server_body(name, mode, n, gen, twin=False))
+    choice = answer["choices"][0]
+    check_answer(name, choice["message"], choice["finish_reason"])
+    timings = answer["timings"]
+    twin = (await post(server_body(name, mode, n, int(timings["predicted_n"]), twin=True)))["timings"]
+    return ({"decode_tok_s": timings["predicted_per_second"], "tokens": timings["predicted_n"]},
+            {"decode_tok_s": twin["predicted_per_second"], "tokens": twin["predicted_n"]})
+
+
+async def measure_llama_server(binary: str, config: EngineConfig, server_args: list[str], table: dict[str, Mode],
+                               rounds: int, gen: int) -> dict[str, Any]:
+    """llama-server on the same requests: per mode, the summary of constrained runs and their twins."""
+    import httpx
+
+    flags = [*llama_server_flags(config), "--jinja", *server_args]
+    samples: dict[str, list[dict[str, Any]]] = {m: [] for m in table}
+    twins: dict[str, list[dict[str, Any]]] = {m: [] for m in table}
+    async with (llama_server(binary, config.model_path, flags) as target,
+                httpx.AsyncClient(timeout=600, trust_env=False) as client):
+        base = target.base_url.removesuffix("/v1")
+        for name, mode in table.items():  # warm-up
+            await server_round(client, base, name, mode, 0, 16)
+        for r in range(rounds):
+            for name in (list(table) if r % 2 == 0 else list(reversed(table))):
+                constrained, twin = await server_round(client, base, name, table[name], r + 1, gen)
+                samples[name].append(constrained)
+                twins[name].append(twin)
+            print(f"llama-server round {r + 1}/{rounds}: " + ", ".join(
+                f"{m} {samples[m][-1]['decode_tok_s']:.1f} / {twins[m][-1]['decode_tok_s']:.1f}" for m in table),
+                flush=True)
+        return {"command": target.extra.get("command"), "version": target.extra.get("version"),
+                "results": summarise(samples, twins)}
+
+
+def summarise(samples: dict[str, list[dict[str, Any]]], twins: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per mode: median decode tok/s constrained and unconstrained, the median of the paired ratios, and the
+    share of tokens the grammar resampled (ours only: llama-server does not count them)."""
+    results = {}
+    for name, runs in samples.items():
+        tok_s = statistics.median(s["decode_tok_s"] for s in runs)
+        free = statistics.median(s["decode_tok_s"] for s in twins[name])
+        ratio = statistics.median(c["decode_tok_s"] / t["decode_tok_s"] for c, t in zip(runs, twins[name],
+                                                                                         strict=True))
+        tokens = sum(s["tokens"] for s in runs)
+        resampled = (sum(s["resamples"] for s in runs) / max(tokens, 1)) if all("resamples" in s for s in runs) \
+            else None
+        results[name] = {"decode_tok_s": tok_s, "unconstrained_tok_s": free, "ms_per_token": 1e3 / tok_s,
+                         "vs_unconstrained": ratio, "tokens": tokens, "resample_rate": resampled}
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,49 +231,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--gen-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--llama-server", metavar="BINARY", help="also run llama-server on the same requests")
+    parser.add_argument("--server-args", default="", help='llama-server\'s other flags, e.g. "-t 2"')
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench_constrained.json")
     args = parser.parse_args(argv)
     config = EngineConfig(model=args.model, n_gpu_layers=args.gpu_layers, n_parallel=1, n_ctx=2048, seed=1,
                           n_threads=args.threads)
     engine = Engine(config)
-    table = {name: mode for name, mode in modes().items() if mode[1] is not None}
-    samples: dict[str, list[dict[str, Any]]] = {m: [] for m in table}
-    twins: dict[str, list[dict[str, Any]]] = {m: [] for m in table}
+    table = modes()
+    ours = {**{name: (mode, mode.guide) for name, mode in table.items()},
+            **{f"{name} (GBNF)": (mode, Constraint(ConstraintKind.gbnf, mode.gbnf)) for name, mode in table.items()}}
+    samples: dict[str, list[dict[str, Any]]] = {m: [] for m in ours}
+    twins: dict[str, list[dict[str, Any]]] = {m: [] for m in ours}
     try:
-        for text, grammar, tools in table.values():  # warm-up
-            run(engine, text, grammar, tools, 0, 16)
-            run(engine, text, None, tools, 0, 16)
+        for mode, constraint in ours.values():  # warm-up
+            run(engine, mode.text, constraint, mode.tools, 0, 16)
+            run(engine, mode.text, None, mode.tools, 0, 16)
         for r in range(args.rounds):
-            order = list(table) if r % 2 == 0 else list(reversed(table))
-            for name in order:
-                text, grammar, tools = table[name]
-                constrained = run(engine, text, grammar, tools, r + 1, args.gen_tokens)
-                twin = run(engine, text, None, tools, r + 1, constrained["tokens"], ignore_eos=True)
+            for name in (list(ours) if r % 2 == 0 else list(reversed(ours))):
+                mode, constraint = ours[name]
+                constrained = run(engine, mode.text, constraint, mode.tools, r + 1, args.gen_tokens)
+                twin = run(engine, mode.text, None, mode.tools, r + 1, constrained["tokens"], ignore_eos=True)
                 samples[name].append(constrained)
                 twins[name].append(twin)
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{m} {samples[m][-1]['decode_tok_s']:.1f} / {twins[m][-1]['decode_tok_s']:.1f}" for m in table),
+                f"{m} {samples[m][-1]['decode_tok_s']:.1f} / {twins[m][-1]['decode_tok_s']:.1f}" for m in ours),
                 flush=True)
     finally:
         engine.close()
-    results = {}
-    for name, runs in samples.items():
-        tok_s = statistics.median(s["decode_tok_s"] for s in runs)
-        free = statistics.median(s["decode_tok_s"] for s in twins[name])
-        ratio = statistics.median(c["decode_tok_s"] / t["decode_tok_s"] for c, t in zip(runs, twins[name],
-                                                                                         strict=True))
-        tokens = sum(s["tokens"] for s in runs)
-        results[name] = {"decode_tok_s": tok_s, "unconstrained_tok_s": free, "ms_per_token": 1e3 / tok_s,
-                         "vs_unconstrained": ratio, "tokens": tokens,
-                         "resample_rate": sum(s["resamples"] for s in runs) / max(tokens, 1)}
-    report = {"provenance": provenance(), "config": config.to_yaml_dict(), "results": results}
+    results = summarise(samples, twins)
+    peer = (asyncio.run(measure_llama_server(args.llama_server, config, shlex.split(args.server_args), table,
+                                             args.rounds, args.gen_tokens)) if args.llama_server else None)
+    report = {"provenance": provenance(), "config": config.to_yaml_dict(), "results": results,
+              "llama_server": peer}
     write_report(args.out, report)
-    print("| mode | decode tok/s | same request unconstrained | ms/token | x unconstrained (paired) | "
+    print("| server | mode | decode tok/s | same request unconstrained | ms/token | x unconstrained (paired) | "
           "resampled tokens |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, res in results.items():
-        print(f"| {name} | {res['decode_tok_s']:.1f} | {res['unconstrained_tok_s']:.1f} | {res['ms_per_token']:.2f} "
-              f"| {res['vs_unconstrained']:.3f} | {res['resample_rate']:.0%} |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for server, rows in (("ours", results), ("llama-server", peer["results"] if peer else {})):  # ours: both kinds
+        for name, res in rows.items():
+            rate = "" if res["resample_rate"] is None else f"{res['resample_rate']:.0%}"
+            print(f"| {server} | {name} | {res['decode_tok_s']:.1f} | {res['unconstrained_tok_s']:.1f} | "
+                  f"{res['ms_per_token']:.2f} | {res['vs_unconstrained']:.3f} | {rate} |")
     print(f"wrote {args.out}")
     return 0
 

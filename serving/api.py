@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serving.reasoning import ReasoningFormat
-from serving.request import SamplingParams
+from serving.request import Constraint, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # stop strings are matched against the text on every token: keep each one short
@@ -224,7 +224,7 @@ class _SamplingFields(_RequestBody):
         """None: no logprobs; k >= 0: the chosen token's and the k most likely (per endpoint's fields)."""
         return None
 
-    def sampling_params(self, n_ctx_slot: int | None = None, grammar: str | None = None) -> SamplingParams:
+    def sampling_params(self, n_ctx_slot: int | None = None, constraint: Constraint | None = None) -> SamplingParams:
         """The engine's parameters; `repeat_last_n` is capped at the slot (a penalty window longer than
         what a slot holds means the same, and llama.cpp allocates the window up front)."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -237,7 +237,7 @@ class _SamplingFields(_RequestBody):
             frequency_penalty=self.frequency_penalty, penalty_last_n=max(last_n, 0),
             seed=None if self.seed is None or self.seed < 0 else self.seed,
             stop=tuple(s for s in stops if s), ignore_eos=self.ignore_eos, logit_bias=self.bias(),
-            grammar=grammar, logprobs=self.top_logprobs_asked(),
+            constraint=constraint, logprobs=self.top_logprobs_asked(),
         )
 
     @property

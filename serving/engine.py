@@ -312,9 +312,9 @@ class Engine:
         self._check_ids(prompt_tokens)
         if any(not 0 <= t < self.n_vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {self.n_vocab})")
-        grammar = params.grammar
-        if grammar is not None and not self._with_model(lambda m: m.grammar_parses(grammar)):
-            raise ValueError("the grammar does not parse as GBNF with a 'root' rule")
+        constraint = params.constraint
+        if constraint is not None:
+            self._with_model(lambda m: m.check_constraint(constraint))
         n_requested = params.max_tokens or 0
         if len(prompt_tokens) + max(n_requested, 1) > self._n_ctx_slot:
             raise PromptTooLongError(len(prompt_tokens), n_requested, self._n_ctx_slot)

@@ -19,6 +19,8 @@ import logging
 import math
 import random
 import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +30,13 @@ numpy_was_first = "numpy" in sys.modules
 import ray  # noqa: E402,F401  (ray's _raylet.so must load before libllama: see above)
 import llama_cpp.llama_cpp as ll  # noqa: E402
 from llama_cpp import __version__ as BINDINGS_VERSION  # noqa: E402,F401  (an installed package and a source tree have it)
-from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter  # noqa: E402,F401  (pure Python; for structured.py)
+from llguidance import LLMatcher, LLTokenizer  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 from serving.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
 from serving.errors import EngineError  # noqa: E402
-from serving.request import SamplingParams, TokenLogprob  # noqa: E402
+from serving.request import Constraint, ConstraintKind, SamplingParams, TokenLogprob  # noqa: E402
 
 llama_cpp = ll  # the bindings module, for the few callers outside serving/ that need a constant
 
@@ -93,6 +95,7 @@ class LlamaModel:
         self.bos_text = self.token_text(ll.llama_vocab_bos(self.vocab))
         self.eos_text = self.token_text(ll.llama_vocab_eos(self.vocab))
         self._pieces: dict[int, bytes] = {}
+        self.guides = Guides(self.vocab, self.n_vocab)
 
     def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
@@ -128,28 +131,88 @@ class LlamaModel:
         return self._piece(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
 
     def _piece(self, token: int, special: bool) -> bytes:
-        buf = ctypes.create_string_buffer(64)
-        n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:n]
+        return _piece_of(self.vocab, token, special)
 
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self.vocab, token))
 
-    def grammar_parses(self, gbnf: str) -> bool:
-        """Whether llama.cpp accepts this GBNF grammar (root rule "root") for this vocabulary."""
-        sampler = ll.llama_sampler_init_grammar(self.vocab, gbnf.encode(), b"root")
+    def check_constraint(self, constraint: Constraint) -> None:
+        """ValueError unless this vocabulary can enforce `constraint` (a guide is compiled, and cached, here)."""
+        if constraint.kind is ConstraintKind.guide:
+            self.guides.matcher(constraint.text)
+            return
+        sampler = ll.llama_sampler_init_grammar(self.vocab, constraint.text.encode(), b"root")
         if not sampler:
-            return False
+            raise ValueError("the grammar does not parse as GBNF with a 'root' rule")
         ll.llama_sampler_free(sampler)
-        return True
 
     def free(self) -> None:
         if self.ptr:
             ll.llama_model_free(self.ptr)
             self.ptr = None
+
+
+def _piece_of(vocab: ll.llama_vocab_p, token: int, special: bool) -> bytes:
+    """A token's bytes (`special`: control tokens render as their text, else as nothing)."""
+    buf = ctypes.create_string_buffer(64)
+    n = ll.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = ll.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    return buf.raw[:n]
+
+
+GUIDES_CACHED = 64  # compiled guides kept per model (one per schema or tool set seen lately)
+NO_TOKEN = -1  # LLAMA_TOKEN_NULL
+
+
+class Guides:
+    """llguidance matchers for one model's vocabulary. The tokenizer (every token's bytes) is built on the first
+    guided request (~0.25 s for 49k tokens on this CPU), and each grammar is compiled once and copied for every
+    request that asks for it (a copy costs microseconds, a compile about a millisecond). Thread-safe: the
+    routes' submit checks and the step thread's samplers both ask."""
+
+    def __init__(self, vocab: ll.llama_vocab_p, n_vocab: int) -> None:
+        self._vocab, self.n_vocab = vocab, n_vocab
+        self._lock = threading.Lock()
+        self._tokenizer: LLTokenizer | None = None
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+
+    def matcher(self, grammar: str) -> LLMatcher:
+        """A fresh matcher of `grammar` (an llguidance grammar, serving/structured.py); ValueError if it
+        does not compile for this vocabulary."""
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is None:
+                compiled = LLMatcher(self._tokenizer_locked(), grammar, log_level=0)
+                if compiled.is_error():
+                    raise ValueError(f"the constraint does not compile: {compiled.get_error()}")
+                self._compiled[grammar] = compiled
+                while len(self._compiled) > GUIDES_CACHED:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(grammar)
+            return compiled.deep_copy()
+
+    def _tokenizer_locked(self) -> LLTokenizer:
+        """Every token's bytes for llguidance, as its llama.cpp adapter builds them: a control token (or a
+        user-defined one written <like this>) gets a 0xff prefix, so text never matches it; EOS and EOT end
+        an answer; tokenizing goes back to this vocabulary's llama_tokenize."""
+        if self._tokenizer is None:
+            special = ll.LLAMA_TOKEN_ATTR_CONTROL
+            pieces = []
+            for token in range(self.n_vocab):
+                piece = _piece_of(self._vocab, token, special=True)
+                attr = ll.llama_vocab_get_attr(self._vocab, token)
+                if attr & special or (attr & ll.LLAMA_TOKEN_ATTR_USER_DEFINED and piece[:1] == b"<"
+                                      and piece[-1:] == b">"):
+                    piece = b"\xff" + piece
+                pieces.append(piece)
+            ends = [t for t in (ll.llama_vocab_eos(self._vocab), ll.llama_vocab_eot(self._vocab)) if t != NO_TOKEN]
+            tokenize = ctypes.cast(ll._lib.llama_tokenize, ctypes.c_void_p).value
+            self._tokenizer = LLTokenizer.from_llamacpp(tokens=pieces, vocab_ptr=self._vocab,  # type: ignore[attr-defined]
+                                                        tokenize_fptr=tokenize, eos_token=ends, slices=None)
+        return self._tokenizer
 
 
 @functools.cache
@@ -256,31 +319,37 @@ class Candidates:
         return arr
 
 
-GREEDY_TRIES = 32  # a constrained greedy step checks this many best tokens one by one before a full grammar pass
+GREEDY_TRIES = 32  # a GBNF-constrained greedy step checks this many best tokens one by one before a full pass
 
 
 class SamplerChain:
     """One request's sampling, in llama-server's order: logit bias -> penalties -> top-k -> top-p -> min-p
     -> temperature -> dist (or greedy), so a request gives the same distribution here as there.
 
-    A grammar is applied the way llama-server applies it: sample without it, and only if the grammar
-    rejects that token, sample again with the grammar applied first. That draws from the distribution
-    restricted to what the grammar allows (rejection sampling), but costs a full-vocabulary grammar pass
-    only on the tokens the model would have got wrong. Greedy with nothing else in the chain (no bias, no
-    penalties) needs no distribution at all: the token is the highest logit the grammar allows, so the
-    candidates are tried in order of logit, one grammar check each (GREEDY_TRIES of them, then the full
-    pass), and the chain is never filled: the same token, for a few single-token checks where a rejection
-    cost a pass over the whole vocabulary.
+    A constraint is applied the way llama-server applies a grammar: sample without it, and only if it rejects
+    that token, sample again from what it allows. That draws from the distribution restricted to the
+    constraint (rejection sampling) and costs one check on the tokens the model gets right.
+    - A guide (llguidance: response_format, forced tool calls) checks the token in microseconds; on a
+      rejection it computes the mask of allowed tokens (tens of microseconds) and samples from the masked
+      logits (greedy: their argmax).
+    - A GBNF grammar (a client's raw `grammar`) goes through llama.cpp's grammar sampler, whose pass over
+      the vocabulary costs milliseconds: greedy with nothing else in the chain tries the best candidates in
+      order of logit, one single-token check each (GREEDY_TRIES of them), before that pass.
     """
 
     def __init__(self, ctx: LlamaContext, params: SamplingParams, default_seed: int) -> None:
         self._ctx = ctx
-        self.resamples = 0  # tokens the grammar rejected, sampled again with it applied first
+        self.resamples = 0  # tokens the constraint rejected, sampled again from what it allows
         self._grammar = None
-        if params.grammar is not None:
-            self._grammar = ll.llama_sampler_init_grammar(ctx.model.vocab, params.grammar.encode(), b"root")
+        self._guide: LLMatcher | None = None
+        constraint = params.constraint
+        if constraint is not None and constraint.kind is ConstraintKind.gbnf:
+            self._grammar = ll.llama_sampler_init_grammar(ctx.model.vocab, constraint.text.encode(), b"root")
             if not self._grammar:
                 raise ValueError("the grammar does not parse")
+        elif constraint is not None:
+            self._guide = ctx.model.guides.matcher(constraint.text)
+            self._mask = np.zeros((ctx.n_vocab + 31) // 32, dtype=np.int32)
         self._argmax = params.temperature <= 0.0 and not params.logit_bias and not params.has_penalties
         self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         for sampler in _samplers_for(params, default_seed, ctx.n_vocab):
@@ -288,14 +357,16 @@ class SamplerChain:
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Feed tokens to the chain's history (the penalty sampler's window), as llama-server does with the
-        prompt. Not to the grammar: it constrains what is generated, not the prompt."""
+        prompt. Not to the constraint: it constrains what is generated, not the prompt."""
         for token in tokens:
             ll.llama_sampler_accept(self._ptr, token)
 
     def sample(self, row: int) -> int:
         """Choose the next token from the logits of batch row `row`, and accept it."""
         logits = self._ctx.logits(row)
-        if self._argmax and self._grammar is not None:
+        if self._guide is not None:
+            token = self._guided(self._guide, logits)
+        elif self._argmax and self._grammar is not None:
             token = self._greedy_allowed(logits)
         else:
             token = self._select(logits, grammar_first=False)
@@ -305,7 +376,21 @@ class SamplerChain:
         ll.llama_sampler_accept(self._ptr, token)
         if self._grammar is not None:
             ll.llama_sampler_accept(self._grammar, token)
+        if self._guide is not None and not self._guide.consume_token(token):
+            raise RuntimeError(f"the constraint refused token {token}: {self._guide.get_error()}")
         return token
+
+    def _guided(self, guide: LLMatcher, logits: np.ndarray) -> int:
+        token = int(logits.argmax()) if self._argmax else self._select(logits, grammar_first=False)
+        if guide.validate_tokens([token]) == 1:
+            return token
+        self.resamples += 1
+        guide.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[:len(logits)].astype(bool)
+        if not allowed.any():
+            raise RuntimeError(f"the constraint allows no token: {guide.get_error() or guide.stop_reason()}")
+        masked = np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+        return int(masked.argmax()) if self._argmax else self._select(masked, grammar_first=False)
 
     def _select(self, logits: np.ndarray, grammar_first: bool) -> int:
         cur = self._ctx.candidates.fill(logits)

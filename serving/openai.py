@@ -32,12 +32,12 @@ from serving.chat_template import ChatTemplateError
 from serving.errors import EngineStoppedError, PromptTooLongError, QueueFullError
 from serving.reasoning import START as THINK_START
 from serving.reasoning import ReasoningFormat
-from serving.request import (FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage, paced,
+from serving.request import (Constraint, FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage, paced,
                              unpaced)
 from serving.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
 from serving.http import (DONE, GuardMiddleware, error_response, request_id,
                           responses_error)
-from serving.structured import GrammarError, constraint_grammar, tool_call_grammar
+from serving.structured import GrammarError, constraint_of, tool_call_guide
 from serving.tools import CallMode, messages_for_plain_template
 from serving.traffic import TrafficTag
 
@@ -243,8 +243,7 @@ class OpenAIRoutes:
         kwargs = body.chat_template_kwargs or {}
         prompt = await _off_loop(lambda: _render(engine, messages, plan.tools, kwargs, request))
         tokens = await _off_loop(lambda: engine.tokenize_prompt(prompt))
-        grammar = _grammar(body, plan.grammar)
-        params = _params(body, engine, grammar)
+        params = _params(body, engine, _constraint(body, plan.constraint))
         handles = self._submit(engine, tokens, params, body.n, param="messages", streamed=body.stream)
         reasoning = body.reasoning_format != ReasoningFormat.none
         thinking_open = reasoning and prompt.rstrip().endswith(THINK_START)
@@ -265,7 +264,7 @@ class OpenAIRoutes:
         prompts = body.prompts()
         tokenized = [p if isinstance(p, list) else await _off_loop(partial(engine.tokenize_prompt, p))
                      for p in prompts]
-        params = _params(body, engine, _grammar(body, None))
+        params = _params(body, engine, _constraint(body, None))
         handles: list[RequestHandle] = []
         try:
             for tokens in tokenized:
@@ -413,7 +412,7 @@ class ToolPlan:
     are read back; None: not at all)."""
 
     tools: list[dict[str, Any]] | None = None
-    grammar: str | None = None
+    constraint: Constraint | None = None
     calls: CallMode | None = None
 
 
@@ -440,14 +439,14 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
         if not functions:
             raise APIError(400, f"tool_choice names '{choice.function.name}', which is not among the tools",
                            param="tool_choice")
-    grammar = None
+    constraint = None
     if choice != "auto":
         try:
-            grammar = tool_call_grammar(functions, parallel=body.parallel_tool_calls is True
-                                        and not isinstance(choice, NamedToolChoice))
+            constraint = tool_call_guide(functions, parallel=body.parallel_tool_calls is True
+                                         and not isinstance(choice, NamedToolChoice))
         except GrammarError as exc:
             raise APIError(400, f"a tool's parameters: {exc}", param="tools") from exc
-    return ToolPlan(tools, grammar, CallMode.auto if grammar is None else CallMode.forced)
+    return ToolPlan(tools, constraint, CallMode.auto if constraint is None else CallMode.forced)
 
 
 def _check_request(engine: Engine, body: Any) -> None:
@@ -464,22 +463,22 @@ def _check_request(engine: Engine, body: Any) -> None:
                             f"{engine.config.n_parallel} slots", param="n")
 
 
-def _grammar(body: Any, tool_grammar: str | None) -> str | None:
+def _constraint(body: Any, tool_call: Constraint | None) -> Constraint | None:
     try:
-        grammar = constraint_grammar(body)
+        constraint = constraint_of(body)
     except (GrammarError, ValueError) as exc:
         param = "response_format" if body.response_format is not None else (
             "json_schema" if body.json_schema is not None else "grammar")
         raise APIError(400, str(exc), param=param) from exc
-    if grammar is not None and tool_grammar is not None:
+    if constraint is not None and tool_call is not None:
         raise APIError(400, "a forced tool call (tool_choice) and response_format/grammar cannot both constrain "
                             "one answer", param="tool_choice")
-    return grammar or tool_grammar
+    return constraint or tool_call
 
 
-def _params(body: Any, engine: Engine, grammar: str | None) -> SamplingParams:
+def _params(body: Any, engine: Engine, constraint: Constraint | None) -> SamplingParams:
     try:
-        return body.sampling_params(engine.n_ctx_slot, grammar)
+        return body.sampling_params(engine.n_ctx_slot, constraint)
     except ValueError as exc:
         raise APIError(400, str(exc), param="logit_bias") from exc
 

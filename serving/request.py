@@ -27,6 +27,21 @@ class FinishReason(str, Enum):
     error = "error"  # this request failed; `GenerationChunk.error` says why
 
 
+class ConstraintKind(str, Enum):
+    """Which machinery enforces a constraint, token by token (serving/llama.py's SamplerChain)."""
+
+    gbnf = "gbnf"  # a client's raw GBNF grammar (llama-server's `grammar`): llama.cpp's grammar sampler
+    guide = "guide"  # an llguidance grammar (response_format, json_schema, forced tool calls): a token mask
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's answer must match: grammar text of its kind (serving/structured.py compiles it)."""
+
+    kind: ConstraintKind
+    text: str
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks of the sampler and of generation.
@@ -48,7 +63,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit; -inf bans)
-    grammar: str | None = None  # GBNF (root rule "root"): only continuations it accepts are sampled
+    constraint: Constraint | None = None  # only continuations it accepts are sampled
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
 
     @property
@@ -58,7 +73,7 @@ class SamplingParams:
     @property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that needs llama.cpp's sampler state: argmax of the logits is the answer."""
-        return self.temperature <= 0.0 and not self.has_penalties and not self.logit_bias and self.grammar is None
+        return self.temperature <= 0.0 and not self.has_penalties and not self.logit_bias and self.constraint is None
 
 
 @dataclass(frozen=True)

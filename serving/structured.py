@@ -1,18 +1,23 @@
-"""Constrained decoding: OpenAI's `response_format` and forced tool calls become llama.cpp GBNF grammars.
+"""Constrained decoding: OpenAI's `response_format`, llama-server's `json_schema` and forced tool calls become
+llguidance grammars, enforced with a token mask (serving/llama.py's SamplerChain); a client's raw GBNF
+`grammar` goes to llama.cpp's grammar sampler as llama-server takes it.
 
-The JSON-schema-to-GBNF conversion is llama-cpp-python's (the same converter llama-server's Python tooling
-uses); the grammar is then enforced token by token in the sampler chain (serving/llama.py), so the output
-parses whatever the model's size. Why GBNF rather than llguidance: measured per-token cost and the reason
-are in docs/performance.md ("Constrained decoding").
+Why llguidance: per token it checks the model's own choice in ~3 us and computes the whole mask in ~10-30 us
+where llama.cpp's grammar sampler took ~10-18 us for the check and 3-5 ms for a pass over the vocabulary on
+every rejected token (the embedded model, this CPU; docs/performance.md, "Constrained decoding"). Compiled
+grammars are cached per text, so one schema sent again is not compiled again.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from serving.llama import JSON_GBNF, SchemaConverter
+from llguidance import LLMatcher
+
+from serving.request import Constraint, ConstraintKind
 
 
 class GrammarError(ValueError):
@@ -27,9 +32,9 @@ class ConstraintFields(Protocol):
     response_format: Any
 
 
-def constraint_grammar(body: ConstraintFields) -> str | None:
-    """The grammar a request's `grammar`, `json_schema` or `response_format` asks for (at most one of them),
-    compiled once, by the route; ValueError (GrammarError) names what is wrong."""
+def constraint_of(body: ConstraintFields) -> Constraint | None:
+    """The constraint a request's `grammar`, `json_schema` or `response_format` asks for (at most one of
+    them), compiled once, by the route; ValueError (GrammarError) names what is wrong."""
     fmt = body.response_format
     asked = [name for name, given in (("grammar", body.grammar is not None),
                                       ("json_schema", body.json_schema is not None),
@@ -37,31 +42,44 @@ def constraint_grammar(body: ConstraintFields) -> str | None:
     if len(asked) > 1:
         raise ValueError(f"send one of {', '.join(asked)}, not several")
     if body.grammar is not None:
-        return body.grammar
+        return Constraint(ConstraintKind.gbnf, body.grammar)
     if body.json_schema is not None:
-        return json_schema_grammar(body.json_schema)
+        return json_schema_guide(body.json_schema)
     if fmt is None:
         return None
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
             raise ValueError("response_format json_schema needs a json_schema object")
-        return response_format_grammar("json_schema", fmt.json_schema.schema_)
+        return response_format_guide("json_schema", fmt.json_schema.schema_)
     if fmt.type == "json_object" and fmt.schema_:
-        return json_schema_grammar(fmt.schema_)
-    return response_format_grammar(fmt.type)
+        return json_schema_guide(fmt.schema_)
+    return response_format_guide(fmt.type)
 
 
-def schema_rules(schema: Any, rule: str = "") -> tuple[str, str]:
-    """GBNF rules for a JSON schema and the name of its top rule (`root` when `rule` is empty)."""
+@functools.lru_cache(maxsize=256)
+def _compiled(kind: str, text: str) -> str:
+    """An llguidance grammar from a JSON schema (as canonical JSON text) or a Lark grammar, checked; cached,
+    so a schema sent again costs a dictionary lookup."""
+    grammar = LLMatcher.grammar_from_json_schema(text) if kind == "json" else LLMatcher.grammar_from_lark(text)
+    ok, error = _validated(grammar)
+    if not ok:
+        raise GrammarError(f"the JSON schema cannot be compiled: {error}" if kind == "json" else error)
+    return grammar
+
+
+def _validated(grammar: str) -> tuple[bool, str]:
+    """Whether llguidance can use the grammar, and its error if not (warnings are not errors)."""
+    try:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    except Exception as exc:  # a schema llguidance's compiler rejects outright
+        return False, str(exc)
+    return not is_error, "; ".join(messages)
+
+
+def _schema_text(schema: Any) -> str:
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
-    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    try:
-        resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "request")
-        top = converter.visit(resolved, rule)
-        return str(converter.format_grammar()), str(top)
-    except Exception as exc:  # the converter raises plain errors (or asserts) on what it does not support
-        raise GrammarError(f"the JSON schema cannot be compiled to a grammar: {exc}") from exc
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -113,36 +131,37 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def json_schema_grammar(schema: Any) -> str:
-    """The grammar of an answer that validates against `schema`, its strings and arrays bounded
+def json_schema_guide(schema: Any) -> Constraint:
+    """The constraint of an answer that validates against `schema`, its strings and arrays bounded
     (ANSWER_BOUNDS where the schema sets no bound)."""
-    return schema_rules(bounded(schema, ANSWER_BOUNDS))[0]
+    return Constraint(ConstraintKind.guide, _compiled("json", _schema_text(bounded(schema, ANSWER_BOUNDS))))
 
 
-def response_format_grammar(kind: str, schema: Any | None = None) -> str | None:
-    """`text` -> no grammar; `json_object` -> any JSON object; `json_schema` -> that schema."""
+def response_format_guide(kind: str, schema: Any | None = None) -> Constraint | None:
+    """`text` -> none; `json_object` -> any JSON object; `json_schema` -> that schema."""
     if kind == "text":
         return None
     if kind == "json_object":
-        return JSON_GBNF
+        return Constraint(ConstraintKind.guide, _compiled("json", _schema_text({"type": "object"})))
     if kind == "json_schema":
         if schema is None:
             raise GrammarError("response_format json_schema needs json_schema.schema")
-        return json_schema_grammar(schema)
+        return json_schema_guide(schema)
     raise GrammarError(f"unknown response_format type {kind!r}")
 
 
-def tool_call_grammar(functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
-    """A grammar for one Hermes-style call (or, with `parallel`, up to MAX_PARALLEL_CALLS):
+def tool_call_guide(functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> Constraint:
+    """One Hermes-style call (or, with `parallel`, up to MAX_PARALLEL_CALLS):
     <tool_call>\\n{"name": <one of the functions>, "arguments": <its parameters>}\\n</tool_call>,
-    the parameters bounded (CALL_BOUNDS). Once its last call can close, only end-of-generation follows
-    (llama.cpp's grammar sampler allows nothing else), so one call ends the answer right after it."""
+    the parameters bounded (CALL_BOUNDS). Once its last call can close, only end-of-generation follows, so
+    one call ends the answer right after it."""
     if not functions:
         raise GrammarError("tool_choice needs at least one tool")
     variants = [{"type": "object", "properties": {"name": {"const": name},
                                                   "arguments": bounded(params or {"type": "object"}, CALL_BOUNDS)},
                  "required": ["name", "arguments"], "additionalProperties": False} for name, params in functions]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    rules, call = schema_rules(schema, "call")
+    _compiled("json", _schema_text(schema))  # a bad parameters schema says so as a schema error
     repeat = f' ("\\n" block){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
-    return f'root ::= block{repeat}\nblock ::= "<tool_call>\\n" {call} "\\n</tool_call>"\n{rules}'
+    lark = f'start: block{repeat}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {_schema_text(schema)}\n'
+    return Constraint(ConstraintKind.guide, _compiled("lark", lark))

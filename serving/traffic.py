@@ -47,7 +47,7 @@ class RequestKind(str, Enum):
 
     @classmethod
     def of(cls, params: SamplingParams) -> RequestKind:
-        if params.grammar is not None:
+        if params.constraint is not None:
             return cls.constrained
         return cls.greedy if params.temperature <= 0.0 else cls.sampled
 

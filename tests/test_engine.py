@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import TYPE_CHECKING
 
@@ -219,16 +220,19 @@ def test_constrained_greedy_takes_the_best_token_the_grammar_allows_as_the_full_
     import numpy as np
 
     from serving.config import EngineConfig, embedded_model_path
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
     from serving.llama import GREEDY_TRIES, LlamaContext, LlamaModel, SamplerChain
-    from serving.structured import json_schema_grammar
+    from serving.request import Constraint, ConstraintKind
 
     model = LlamaModel(embedded_model_path(), n_gpu_layers=0)
     ctx = LlamaContext(model, EngineConfig(n_parallel=1, n_ctx=256), 1)
-    grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    grammar = Constraint(ConstraintKind.gbnf, json_schema_to_gbnf(json.dumps(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})))
     rng = np.random.default_rng(7)
     try:
         for rank in (1, 2, 5, GREEDY_TRIES, GREEDY_TRIES + 5, 400):
-            chain = SamplerChain(ctx, SamplingParams(temperature=0.0, grammar=grammar), 1)
+            chain = SamplerChain(ctx, SamplingParams(temperature=0.0, constraint=grammar), 1)
             try:
                 logits = rng.standard_normal(ctx.n_vocab).astype(np.float32)
                 allowed = chain._select(logits, grammar_first=True)  # the best token the grammar allows

@@ -867,8 +867,8 @@ def test_scripted_forced_calls_repeat_only_when_parallel_calls_are_asked_for(scr
     """tool_choice required: one call unless parallel_tool_calls is true (see plan_tools for why)."""
     body = {**FORCED, **({} if parallel is None else {"parallel_tool_calls": parallel})}
     assert scripted.http.post(CHAT, json=body).status_code == 200
-    grammar = scripted.engine.params[-1].grammar
-    assert grammar.startswith("root ::= block") and ('("\\n" block)' in grammar) == repeats
+    guide = scripted.engine.params[-1].constraint.text
+    assert guide.startswith("start: block") and ('("\\n" block)' in guide) == repeats
 
 
 @pytest.mark.serve

@@ -34,20 +34,31 @@ def test_logit_bias_bans_and_forces(engine: Engine) -> None:
     assert forced.tokens == [42] * 4
 
 
+@pytest.mark.parametrize("kind", ["guide", "gbnf"])
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 1), (0.9, 2), (1.2, 3)])
-def test_a_json_schema_grammar_always_gives_valid_json(engine: Engine, temperature: float, seed: int | None) -> None:
+def test_a_json_schema_constraint_always_gives_valid_json(engine: Engine, temperature: float, seed: int | None,
+                                                          kind: str) -> None:
+    """Greedy and sampled, as the server compiles a schema (an llguidance guide) and as a client's raw GBNF."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-    grammar = json_schema_to_gbnf(json.dumps(PERSON))
-    gen = collect(engine.submit(_prompt(engine, "Describe a person."),
-                                SamplingParams(max_tokens=200, temperature=temperature, seed=seed, grammar=grammar)))
+    from serving.request import Constraint, ConstraintKind
+    from serving.structured import json_schema_guide
+
+    constraint = json_schema_guide(PERSON) if kind == "guide" else Constraint(
+        ConstraintKind.gbnf, json_schema_to_gbnf(json.dumps(PERSON)))
+    params = SamplingParams(max_tokens=200, temperature=temperature, seed=seed, constraint=constraint)
+    gen = collect(engine.submit(_prompt(engine, "Describe a person."), params))
     value = json.loads(gen.text)
     assert set(value) == {"name", "age"} and isinstance(value["age"], int) and isinstance(value["name"], str)
 
 
-def test_a_grammar_that_does_not_parse_is_refused(engine: Engine) -> None:
+def test_a_constraint_that_does_not_compile_is_refused(engine: Engine) -> None:
+    from serving.request import Constraint, ConstraintKind
+
     with pytest.raises(ValueError, match="grammar"):
-        engine.submit([1, 2, 3], SamplingParams(grammar="root ::= ( unclosed"))
+        engine.submit([1, 2, 3], SamplingParams(constraint=Constraint(ConstraintKind.gbnf, "root ::= ( unclosed")))
+    with pytest.raises(ValueError, match="constraint"):
+        engine.submit([1, 2, 3], SamplingParams(constraint=Constraint(ConstraintKind.guide, "start: ( unclosed")))
 
 
 def test_logprobs_one_per_token_from_the_raw_distribution(engine: Engine) -> None:

@@ -130,19 +130,26 @@ def test_text_without_think_is_all_content() -> None:
 
 
 @pytest.mark.engine
-def test_grammars_compile_and_bad_schemas_say_why() -> None:
-    from serving.structured import GrammarError, json_schema_grammar, response_format_grammar, tool_call_grammar
+def test_guides_compile_and_bad_schemas_say_why() -> None:
+    from serving.request import ConstraintKind
+    from serving.structured import GrammarError, json_schema_guide, response_format_guide, tool_call_guide
 
-    assert "root ::=" in json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
-    assert response_format_grammar("text") is None
-    assert "root" in response_format_grammar("json_object")
-    grammar = tool_call_grammar([("f", {"type": "object", "properties": {"x": {"type": "string"}}}),
-                                 ("g", {})], parallel=True)
-    assert grammar.startswith("root ::= block") and "call ::=" in grammar
+    guide = json_schema_guide({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert guide.kind is ConstraintKind.guide and '"a"' in guide.text
+    assert response_format_guide("text") is None
+    object_guide = response_format_guide("json_object")
+    assert object_guide is not None and object_guide.kind is ConstraintKind.guide
+    call = tool_call_guide([("f", {"type": "object", "properties": {"x": {"type": "string"}}}), ("g", {})],
+                           parallel=True)
+    assert call.text.startswith("start: block") and "%json" in call.text and '"anyOf"' in call.text
+    for bad, why in (("not a schema", "must be an object"), ({"type": "nope"}, "nope"),
+                     ({"$ref": "#/missing"}, "missing")):
+        with pytest.raises(GrammarError, match=why):
+            json_schema_guide(bad)
     with pytest.raises(GrammarError):
-        json_schema_grammar("not a schema")
-    with pytest.raises(GrammarError):
-        response_format_grammar("yaml")
+        response_format_guide("yaml")
+    with pytest.raises(GrammarError, match="cannot be compiled"):
+        tool_call_guide([("f", {"type": "object", "properties": 3})], parallel=False)
 
 
 @pytest.mark.engine
@@ -176,12 +183,12 @@ def test_bounds_keep_what_the_schema_says() -> None:
 def test_answer_schemas_are_bounded_too() -> None:
     """response_format json_schema (and llama-server's json_schema) get bounds where the schema sets none,
     so an answer closes on its own; a bound the client set is its own."""
-    from serving.structured import ANSWER_BOUNDS, json_schema_grammar, response_format_grammar
+    from serving.structured import ANSWER_BOUNDS, json_schema_guide, response_format_guide
 
-    assert json_schema_grammar({"type": "string"}) == json_schema_grammar({"type": "string",
-                                                                             "maxLength": ANSWER_BOUNDS.string})
-    assert response_format_grammar("json_schema", {"type": "string"}) == json_schema_grammar({"type": "string"})
-    assert json_schema_grammar({"type": "string", "maxLength": 3}) != json_schema_grammar({"type": "string"})
+    assert json_schema_guide({"type": "string"}) == json_schema_guide({"type": "string",
+                                                                         "maxLength": ANSWER_BOUNDS.string})
+    assert response_format_guide("json_schema", {"type": "string"}) == json_schema_guide({"type": "string"})
+    assert json_schema_guide({"type": "string", "maxLength": 3}) != json_schema_guide({"type": "string"})
 
 
 @pytest.mark.unit

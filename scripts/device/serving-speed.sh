@@ -1,0 +1,45 @@
+#!/bin/bash
+# serving-speed.sh DIR OUT   (run ON the GPU machine, from the repo root, after setup.sh)
+# The serving-speed half of docs/performance.md on the GPU, end to end:
+#   1. waits for setup.sh's llama.cpp build, writes the 27B-class synthetic model (random weights: speed only);
+#   2. scripts/bench_constrained.py on the embedded model (SMOL, a real model): each constraint as the server
+#      compiles it (llguidance) and as GBNF, beside its unconstrained twin, and llama-server on the same requests;
+#   3. scripts/bench_http_path.py on the embedded model: TTFT and decode through the server against the engine
+#      in-process, one stream and four;
+#   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
+#      llama-server --cache-ram 8192 and 0.
+# SMOL: the embedded GGUF (default /tmp/smol.gguf: carry it, it is not in the bundle). OUT/progress.log says
+# where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow at once.
+set -uo pipefail
+DIR=${1:?usage: serving-speed.sh DIR OUT}
+OUT=${2:?usage: serving-speed.sh DIR OUT}
+BUILD=${BUILD:-/tmp/lcpp}
+MODEL=${MODEL:-/tmp/m27.gguf}
+SMOL=${SMOL:-/tmp/smol.gguf}
+# shellcheck source=scripts/device/study-common.sh
+source "$(dirname "$0")/study-common.sh"  # say, finish; the build waited for, the model written
+SERVER=$BUILD/build/bin/llama-server
+[ -f "$SMOL" ] || { say "no embedded model at $SMOL"; finish 6; }
+
+say "constrained (embedded model)"
+python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" --llama-server "$SERVER" \
+  --out "$OUT/bench_constrained_h200.json" > "$OUT/constrained.txt" 2>&1
+say "constrained rc=$?"
+
+say "HTTP path (embedded model)"
+ray stop --force > /dev/null 2>&1
+python3 scripts/bench_http_path.py --variant default --engine model="$SMOL" --engine n_parallel=4 \
+  --engine n_ctx=4096 --max-tokens 64 --repeats "${HTTP_REPEATS:-10}" --json-out "$OUT/bench_http_path_h200.json" \
+  > "$OUT/http_path.txt" 2>&1
+say "HTTP path rc=$?"
+ray stop --force > /dev/null 2>&1
+
+say "conversations (27B-class)"
+python3 scripts/bench_conversations.py --model "$MODEL" --engine n_parallel=2 --engine n_ctx=8192 \
+  --engine flash_attn=on --engine type_k=q8_0 --engine type_v=q8_0 --llama-server "$SERVER" \
+  --server-args "-np 2 -c 8192 -fa on -ctk q8_0 -ctv q8_0 -ngl 999" --out "$OUT/conversations_h200.json" \
+  > "$OUT/conversations.txt" 2>&1
+RC=$?
+say "conversations rc=$RC"
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+finish "$RC"
