@@ -76,10 +76,32 @@ def _validated(grammar: str) -> tuple[bool, str]:
     return not is_error, "; ".join(messages)
 
 
+# JSON as OpenAI's and Python's json.dumps write it: ", " and ": ", no other whitespace (a model may not pad an
+# answer with newlines and indentation until max_tokens), as llama.cpp's schema grammars allow little
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _schema_text(schema: Any) -> str:
+    """The schema as llguidance compiles it: closed (see `closed`), in JSON_STYLE; its properties in the order
+    given (an answer's keys follow it)."""
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps({**closed(schema), "x-guidance": JSON_STYLE}, separators=(",", ":"))
+
+
+def closed(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that does not say otherwise: an answer
+    holds the properties the schema lists, as llama.cpp's schema-to-grammar converter reads a schema (JSON
+    Schema itself would allow any others, and a small model then invents one and rambles in it)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _VALUES else ({n: closed(sub) for n, sub in v.items()} if k in _SCHEMA_MAPS
+                                      and isinstance(v, dict) else closed(v)) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 @dataclass(frozen=True)
