@@ -78,10 +78,11 @@ def say(message: str) -> None:
 
 
 def parse_configs(text: str) -> list[str]:
-    """'article,np4' -> the names, in order; an unknown name is an error listing the known ones."""
+    """'article,np4' -> the names, in order ('' for none: only --placement's); an unknown name is an error
+    listing the known ones."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
-    if not names or unknown:
+    if unknown:
         raise argparse.ArgumentTypeError(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
     return names
 
@@ -470,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.skip_llama_server and not args.llama_server:
         raise SystemExit("error: pass --llama-server PATH (or --skip-llama-server)")
+    if not args.configs and not args.placement:
+        raise SystemExit("error: no config to measure: --configs names none and no --placement was given")
     args.model = (args.model or embedded_model_path()).resolve()
     return asyncio.run(_main_with_signals(args))
 

@@ -186,3 +186,23 @@ def test_a_buffer_type_this_build_lacks_is_refused_with_the_ones_it_has(tiny_moe
     missing = next(name for name in ("CUDA0", "CUDA7", "Vulkan0") if name not in buffer_types())
     with pytest.raises(EngineError, match=f"no buffer type '{missing}'.*CPU"):
         Engine(EngineConfig(model=tiny_moe, n_parallel=1, n_ctx=512, override_tensor=[f"exps={missing}"]))
+
+
+@pytest.mark.engine
+def test_what_fits_a_budget_is_the_most_layers_and_the_fewest_experts_moved(tiny_moe: Path) -> None:
+    from tuning.fit import fewest_expert_layers, most_layers
+    from tuning.memory import ModelShape, predict
+
+    shape = ModelShape.from_gguf(tiny_moe)
+    config = EngineConfig(model=tiny_moe, n_parallel=1, n_ctx=1024)
+    full = predict(shape, config, on_gpu=True).total
+    assert most_layers(shape, config, full) == shape.n_layer + 1 and fewest_expert_layers(shape, config, full) == 0
+    all_experts_out = predict(shape, config.model_copy(update={"n_cpu_moe": shape.n_layer}), on_gpu=True).total
+    tight = (full + all_experts_out) // 2  # some experts must go
+    moved = fewest_expert_layers(shape, config, tight)
+    assert moved is not None and 0 < moved < shape.n_layer
+    assert predict(shape, config.model_copy(update={"n_cpu_moe": moved}), on_gpu=True).total <= tight
+    assert predict(shape, config.model_copy(update={"n_cpu_moe": moved - 1}), on_gpu=True).total > tight
+    layers = most_layers(shape, config, tight)
+    assert layers is not None and layers < shape.n_layer + 1
+    assert fewest_expert_layers(shape, config, 1) is None and most_layers(shape, config, 1) is None
