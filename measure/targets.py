@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from measure.metrics import StreamRecord
 from measure.sse import SSEDecoder, StreamError, interpret_chunk
 from measure.workload import Prompt
-from serving.config import EngineConfig
+from serving.config import EngineConfig, SplitMode
 from serving.repack import llama_server_args
 from serving.request import SamplingParams
 
@@ -215,6 +215,18 @@ def llama_server_flags(config: EngineConfig) -> list[str]:
     flags = ["-ngl", "999" if config.n_gpu_layers < 0 else str(config.n_gpu_layers), "-c", str(config.n_ctx),
              "-np", str(config.n_parallel), "-b", str(config.n_batch), "-ub", str(config.n_ubatch),
              "-ctk", config.type_k.value, "-ctv", config.type_v.value, "-fa", config.flash_attn.value]
+    if config.n_cpu_moe:
+        flags += ["--n-cpu-moe", str(config.n_cpu_moe)]
+    for override in config.override_tensor:
+        flags += ["-ot", override]
+    if not config.kv_offload:
+        flags += ["-nkvo"]
+    if config.split_mode != SplitMode.layer:
+        flags += ["-sm", config.split_mode.value]
+    if config.main_gpu:
+        flags += ["-mg", str(config.main_gpu)]
+    if config.tensor_split:
+        flags += ["-ts", ",".join(f"{share:g}" for share in config.tensor_split)]
     if config.n_threads is not None:
         flags += ["-t", str(config.n_threads)]
     if config.n_threads_batch is not None:

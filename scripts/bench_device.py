@@ -6,7 +6,8 @@ measures side by side: the device's copy bandwidth, hence the single-stream deco
 bytes read per token, from the GGUF header); llama-server with the flags that mean the same as our config;
 our engine in-process (in a child process: measure/isolated.py); our Serve app over HTTP; and device memory
 (GPU: NVML 'used' minus the idle baseline at start; CPU: the process's RSS) next to tuning.memory's
-prediction. Every target runs measure/'s workload (the tuner's) at 1 and 4 streams. One engine holds the
+prediction, and the host memory (RSS) of the engine's process next to the prediction of what stays in host
+memory. Every target runs measure/'s workload (the tuner's) at 1 and 4 streams. One engine holds the
 model at a time, so memory readings are clean and a 15 GB model never sits on the device twice. Every phase
 has a timeout; a failed phase is recorded and the run goes on, and the JSON report is rewritten after every
 phase, so a run cut short keeps its figures.
@@ -17,6 +18,14 @@ phase, so a run cut short keeps its figures.
     # GPU: the 27B-class synthetic model, both configs
     PYTHONUNBUFFERED=1 python3 scripts/bench_device.py --model /tmp/qwen27b.gguf \\
         --llama-server build/bin/llama-server --json-out $OUT/bench_device.json
+
+Placements of a model that does not fit (`--placement NAME:KEY=VALUE,...`, engine settings over the article's
+config, e.g. `moe30:n_cpu_moe=30`) are configs like the others; with `--fit-budget SIZE`, llama-server also
+runs with `--fit on`, its margin (`--fit-target`) set so that it sees SIZE of free GPU memory, and the other
+targets' ratios are to it:
+
+    python3 scripts/bench_device.py --model /tmp/moe.gguf --llama-server build/bin/llama-server \
+        --configs article --placement 'cpu-moe40:n_cpu_moe=40' --fit-budget 8GiB --skip-http
 
 Progress goes to stderr, the table to stdout. SIGTERM stops the run cleanly and still prints the table.
 """
@@ -50,10 +59,12 @@ from measure.provenance import provenance  # noqa: E402
 from measure.targets import llama_server, llama_server_flags, llama_server_version  # noqa: E402
 from measure.workload import Runner, Workload  # noqa: E402
 from serving.config import EngineConfig, embedded_model_path, load_engine_config  # noqa: E402
-from tuning.memory import ModelShape, predict  # noqa: E402
+from tuning.memory import MiB, ModelShape, parse_bytes, predict  # noqa: E402
 
 SINGLE, MULTI = 1, 4
-TARGETS = ("llama-server", "ours in-process", "ours HTTP")
+FIT = "llama-server --fit"
+TARGETS = ("llama-server", FIT, "ours in-process", "ours HTTP")
+PLACEMENT_FLAGS = ("-ngl", "--n-cpu-moe", "-ot")  # what --fit decides: left out of its command
 BANDWIDTH_TIMEOUT_S = 300.0  # child process: torch import + CUDA init + ~25 copies of a 4 GiB buffer
 ENV_KEYS = ("LLAMA_CPP_LIB_PATH", "CUDA_VISIBLE_DEVICES", "PYTHONPATH", "LLAMA_ATTN_ROT_DISABLE",
             "GGML_CUDA_DISABLE_GRAPHS", "OMP_NUM_THREADS")
@@ -67,12 +78,38 @@ def say(message: str) -> None:
 
 
 def parse_configs(text: str) -> list[str]:
-    """'article,np4' -> the names, in order; an unknown name is an error listing the known ones."""
+    """'article,np4' -> the names, in order ('' for none: only --placement's); an unknown name is an error
+    listing the known ones."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
-    if not names or unknown:
+    if unknown:
         raise argparse.ArgumentTypeError(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
     return names
+
+
+def parse_placement(text: str) -> tuple[str, EngineConfig]:
+    """'NAME:KEY=VALUE,...' -> the article's config with those engine settings (validated now)."""
+    name, sep, rest = text.partition(":")
+    if not sep or not name or name in CONFIGS:
+        raise argparse.ArgumentTypeError(f"{text!r}: write NAME:KEY=VALUE,... with a new NAME")
+    try:
+        updates = dict(word.split("=", 1) for word in rest.split(",") if word)
+        return name, EngineConfig(**{**ARTICLE.model_dump(), **updates})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+def without_placement(flags: Sequence[str]) -> list[str]:
+    """llama-server's flags for a config less the ones --fit sets itself."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in PLACEMENT_FLAGS:
+            skip = True
+        else:
+            out.append(flag)
+    return out
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
@@ -88,11 +125,14 @@ class Run:
     report: dict[str, Any]
     shape: ModelShape | None = None
     baseline: int | None = None  # GPU memory in use before anything of ours loaded
+    configs: dict[str, EngineConfig] = dataclasses.field(default_factory=dict)  # by name: the built-in and --placement
     serve_port: int | None = None
     serve_error: str | None = None
 
     def config(self, name: str) -> EngineConfig:
-        return CONFIGS[name].model_copy(update={"model": self.args.model, "n_threads": self.args.threads})
+        config = self.configs.get(name) or CONFIGS[name]
+        return config.model_copy(update={"model": self.args.model,
+                                         "n_threads": self.args.threads or config.n_threads})
 
     @property
     def workload(self) -> Workload:
@@ -125,6 +165,7 @@ class Run:
     async def sample_memory(self, out: dict[str, Any], key: str, pid: int | None) -> None:
         await asyncio.sleep(1.0)  # a short pause, so allocations have landed
         out.setdefault("memory", {})[key] = self.engine_memory(pid)
+        out.setdefault("host_memory", {})[key] = rss_bytes(pid) if pid is not None else None
 
 
 def describe_error(exc: BaseException, timeout_s: float) -> str:
@@ -156,16 +197,25 @@ def _levels(results: dict[int, Any]) -> dict[str, Any]:
     return {str(n): level.as_dict() for n, level in results.items()}
 
 
-async def bench_llama_server(run: Run, name: str, out: dict[str, Any]) -> None:
+async def bench_llama_server(run: Run, name: str, out: dict[str, Any], fit: bool = False) -> None:
     out["memory"] = {"before_load": await run.settle()}
     a = run.args
-    async with llama_server(a.llama_server, a.model, llama_server_flags(run.config(name)), a.load_timeout,
-                            a.request_timeout) as target:
+    flags = llama_server_flags(run.config(name))
+    if fit:
+        flags = [*without_placement(flags), "--fit", "on", "--fit-target", str(fit_margin_mib(run))]
+    async with llama_server(a.llama_server, a.model, flags, a.load_timeout, a.request_timeout) as target:
         out["server"] = target.describe()
-        pid = None if run.gpu is not None else target.extra["pid"]
-        await run.sample_memory(out, "loaded_idle", pid)
+        await run.sample_memory(out, "loaded_idle", target.extra["pid"])
         out["results"] = _levels((await Runner(run.workload).levels([target]))[target.name])
-        await run.sample_memory(out, "after_workload", pid)
+        await run.sample_memory(out, "after_workload", target.extra["pid"])
+
+
+def fit_margin_mib(run: Run) -> int:
+    """--fit-target: the free memory llama-server must leave, so that what it may use is --fit-budget."""
+    if run.gpu is None or run.baseline is None:
+        raise RuntimeError("--fit-budget needs a GPU")
+    free = run.gpu.info()["memory_total_bytes"] - run.baseline
+    return max(0, (free - run.args.fit_budget) // MiB)
 
 
 async def bench_in_process(run: Run, name: str, out: dict[str, Any]) -> None:
@@ -214,7 +264,10 @@ async def bench_config(run: Run, name: str) -> None:
     predicted = predict(run.shape, config, on_gpu=run.gpu is not None).as_dict() if run.shape else None
     entry = run.report["configs"].setdefault(name, {"engine_config": config.to_yaml_dict(), "predicted": predicted,
                                                     "server_args": llama_server_flags(config), "targets": {}})
-    steps = [("llama-server", bench_llama_server, not a.skip_llama_server),
+    fitted: Callable[[Run, str, dict[str, Any]], Awaitable[None]] = functools.partial(bench_llama_server, fit=True)
+    steps: list[tuple[str, Callable[[Run, str, dict[str, Any]], Awaitable[None]], bool]] = [
+             ("llama-server", bench_llama_server, not a.skip_llama_server),
+             (FIT, fitted, bool(a.fit_budget) and not a.skip_llama_server),
              ("ours in-process", bench_in_process, not a.skip_in_process),
              ("ours HTTP", bench_http, not a.skip_http)]
     for label, fn, enabled in steps:
@@ -255,6 +308,8 @@ class Row:
     ttft_ms: float | None = None
     memory_measured: int | None = None
     memory_predicted: int | None = None
+    host_measured: int | None = None
+    host_predicted: int | None = None
     error: str | None = None
 
 
@@ -264,23 +319,29 @@ def _median(results: dict[str, Any] | None, level: int, key: str) -> float | Non
 
 
 def build_rows(report: dict[str, Any]) -> list[Row]:
-    """Rows from the report: figures per target, ratios to llama-server of the same config."""
+    """Rows from the report: figures per target, ratios to llama-server of the same config (to its --fit run
+    where there is one: then the question is the placement)."""
     roof = report.get("roofline_tok_s_single_stream")
     rows = []
     for name, entry in report.get("configs", {}).items():
         targets = entry.get("targets", {})
-        ref = targets.get("llama-server", {}).get("results")
+        ref = (targets.get(FIT) or targets.get("llama-server", {})).get("results")
         ref_single, ref_multi = _median(ref, SINGLE, "decode_tok_s"), _median(ref, MULTI, "aggregate_tok_s")
         for label in (t for t in TARGETS if t in targets):
             t = targets[label]
             res, memory = t.get("results"), t.get("memory") or {}
             single, multi = _median(res, SINGLE, "decode_tok_s"), _median(res, MULTI, "aggregate_tok_s")
-            measured = memory.get("after_workload") if memory.get("after_workload") is not None \
-                else memory.get("loaded_idle")
+            host = t.get("host_memory") or {}
+            predicted = entry.get("predicted") or {}
             rows.append(Row(name, label, single, multi, ratio(single, ref_single), ratio(multi, ref_multi),
-                            ratio(single, roof), _median(res, SINGLE, "ttft_ms"), measured,
-                            (entry.get("predicted") or {}).get("total"), t.get("error")))
+                            ratio(single, roof), _median(res, SINGLE, "ttft_ms"), _latest(memory),
+                            predicted.get("total"), _latest(host), predicted.get("host"), t.get("error")))
     return rows
+
+
+def _latest(memory: dict[str, Any]) -> int | None:
+    """After the workload if read, else loaded and idle."""
+    return memory.get("after_workload") if memory.get("after_workload") is not None else memory.get("loaded_idle")
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -289,7 +350,7 @@ def _num(value: float | None, spec: str) -> str:
 
 COLUMNS = (("config", 8, "<"), ("target", 15, "<"), ("1-stream tok/s", 14, ">"), ("4-way agg tok/s", 15, ">"),
            ("x llama-server 1/4", 18, ">"), ("% roofline", 10, ">"), ("TTFT ms", 8, ">"),
-           ("mem GiB meas / pred", 20, ">"))
+           ("mem GiB meas / pred", 20, ">"), ("host GiB meas / pred", 20, ">"))
 
 
 def format_table(rows: Sequence[Row], memory_label: str = "VRAM") -> str:
@@ -297,11 +358,12 @@ def format_table(rows: Sequence[Row], memory_label: str = "VRAM") -> str:
     header = "  ".join(f"{(title.replace('mem', memory_label, 1)):{align}{width}}" for title, width, align in COLUMNS)
     lines = [header, "-" * len(header)]
     for r in rows:
-        gib = [_num(m / GiB if m is not None else None, ".2f") for m in (r.memory_measured, r.memory_predicted)]
+        gib = [_num(m / GiB if m is not None else None, ".2f") for m in (r.memory_measured, r.memory_predicted,
+                                                                          r.host_measured, r.host_predicted)]
         cells = (r.config, r.target, _num(r.single_tok_s, ".1f"), _num(r.multi_tok_s, ".1f"),
                  f"{_num(r.ratio_single, '.3f')} / {_num(r.ratio_multi, '.3f')}",
                  _num(100 * r.roofline_fraction if r.roofline_fraction is not None else None, ".1f"),
-                 _num(r.ttft_ms, ".1f"), f"{gib[0]} / {gib[1]}")
+                 _num(r.ttft_ms, ".1f"), f"{gib[0]} / {gib[1]}", f"{gib[2]} / {gib[3]}")
         lines.append("  ".join(f"{c:{align}{width}}" for c, (_, width, align) in zip(cells, COLUMNS, strict=True)))
         if r.error:
             lines.append(f"    ! {r.error[:200]}")
@@ -317,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-server", metavar="PATH", help="llama-server binary (required unless --skip-llama-server)")
     p.add_argument("--configs", type=parse_configs, default=["article", "np4"],
                    help=f"comma list from {sorted(CONFIGS)} (default article,np4)")
+    p.add_argument("--placement", type=parse_placement, action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="one more config: the article's with these engine settings (e.g. cpu-moe30:n_cpu_moe=30)")
+    p.add_argument("--fit-budget", type=parse_bytes, help="also run llama-server --fit on, seeing this much free "
+                   "GPU memory (e.g. 8GiB); ratios are then to it")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per stream (EOS ignored)")
     p.add_argument("--repeats", type=int, default=3, help="measured rounds per level after a warm-up; median")
     p.add_argument("--threads", type=int, help="-t for llama-server and n_threads for ours (default: each its own)")
@@ -346,7 +412,7 @@ def new_run(args: argparse.Namespace) -> Run:
                                      else "RSS of the engine's process (llama-server; the in-process child); "
                                           "not read for the Serve replica"),
               "errors": [], "configs": {}}
-    run = Run(args, gpu, report, baseline=gpu.used() if gpu else None)
+    run = Run(args, gpu, report, baseline=gpu.used() if gpu else None, configs=dict(args.placement))
     report["memory_baseline_bytes"] = run.baseline
     report["other_gpu_processes_at_start"] = len(gpu.other_processes(os.getpid())) if gpu else None
     try:
@@ -364,7 +430,7 @@ async def main_async(run: Run) -> None:
     run.save()
     try:
         await phase_bandwidth(run)
-        for name in run.args.configs:
+        for name in [*run.args.configs, *run.configs]:
             await bench_config(run, name)
     finally:
         if run.serve_port is not None:
@@ -405,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.skip_llama_server and not args.llama_server:
         raise SystemExit("error: pass --llama-server PATH (or --skip-llama-server)")
+    if not args.configs and not args.placement:
+        raise SystemExit("error: no config to measure: --configs names none and no --placement was given")
     args.model = (args.model or embedded_model_path()).resolve()
     return asyncio.run(_main_with_signals(args))
 

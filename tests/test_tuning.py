@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, embedded_model_path, load_engine_config
-from tuning.memory import GiB, ModelShape, kv_cache_bytes, parse_bytes, predict
+from tuning.memory import CPU_RUNTIME_OVERHEAD, GiB, ModelShape, kv_cache_bytes, parse_bytes, predict
 from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
 from tuning.results import TrialResult
 from tuning.space import SearchSpace, suggest, to_engine_config
@@ -457,9 +457,17 @@ def test_tied_output_layer_is_counted(shape: ModelShape) -> None:
     assert untied.bytes_read_per_token == shape.weight_bytes - shape.token_embd_bytes
     assert predict(untied, EngineConfig(n_parallel=1, n_ctx=1024), on_gpu=True).weights == \
         shape.weight_bytes - shape.token_embd_bytes
-    # partial offload scales with the layers on the GPU
+    # partial offload, as llama.cpp places it: n_gpu_layers counts the output layer as one more, so 15 of 30
+    # puts blocks 16..29 on the GPU with the output layer (the tied embedding's copy, the final norm)
     half = predict(shape, EngineConfig(n_parallel=1, n_ctx=1024, n_gpu_layers=shape.n_layer // 2), on_gpu=True)
-    assert half.weights == pytest.approx(shape.weight_bytes / 2, rel=0.01)
+    first = shape.n_layer + 1 - shape.n_layer // 2
+    on_gpu_blocks = sum(size for name, size in tensors.items() if name.startswith("blk.")
+                        and int(name.split(".")[1]) >= first)
+    assert half.weights == on_gpu_blocks + tensors["output_norm.weight"] + tensors["token_embd.weight"]
+    assert half.host == pytest.approx(shape.weight_bytes - on_gpu_blocks - tensors["output_norm.weight"]
+                                      + half.compute + (1 - (shape.n_layer - first) / shape.n_layer)
+                                      * kv_cache_bytes(shape, EngineConfig(n_parallel=1, n_ctx=1024))
+                                      + CPU_RUNTIME_OVERHEAD, abs=1024)
 
 
 @pytest.mark.engine

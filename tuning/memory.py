@@ -1,6 +1,10 @@
 """Predict an engine config's memory from the GGUF header alone, before anything is loaded.
 
-weights + K/V cache + compute buffers + a fixed runtime overhead. The K/V term is exact arithmetic
+weights + K/V cache + compute buffers + a fixed runtime overhead, on the GPU and in host memory. Where each
+tensor lives follows llama.cpp's rules: n_gpu_layers offloads the last layers (the output layer counts as one
+more), the token embedding stays in host memory, a tensor override (`override_tensor`, `n_cpu_moe`) puts the
+tensors it matches where it says, and a layer's K/V lives with the layer unless `kv_offload` is off. The K/V
+term is exact arithmetic
 (2 x layers x kv_heads x head_dim x bytes(type) x cells, with llama.cpp's padding of cells to 256 per slot);
 the compute term is an upper-bound estimate of llama.cpp's graph reservation for one micro-batch. The tuner
 rejects a config predicted over budget without loading it, and reports predicted next to measured memory
@@ -10,8 +14,8 @@ for every trial it does run, so the estimate's error is visible.
 from __future__ import annotations
 
 import functools
-
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,14 @@ class ModelShape:
     weight_bytes: int  # every tensor in the file
     token_embd_bytes: int  # the input embedding: a lookup table llama.cpp keeps in host memory
     tied_embeddings: bool = False  # no `output.weight`: the output layer reuses token_embd (e.g. SmolLM2)
+    n_expert: int = 0  # a mixture of experts: experts per layer, `n_expert_used` of them run each token
+    n_expert_used: int = 0
+    tensors: tuple[tuple[str, int], ...] = field(default=(), repr=False)  # (name, bytes) of every tensor
+
+    @property
+    def expert_bytes(self) -> int:
+        """The expert tensors' bytes (all experts of all layers): what --n-cpu-moe moves to host memory."""
+        return sum(size for name, size in self.tensors if _EXPERTS.search(name))
 
     @property
     def kv_bytes_per_token_f16(self) -> int:
@@ -61,9 +73,10 @@ class ModelShape:
         """Weights streamed from memory for one decoded token: all but the embedding lookup, unless the
         output layer is the token embedding itself (tied), which is then read in full every token (and
         llama.cpp keeps a copy of it on the GPU as the output layer)."""
-        if self.tied_embeddings:
-            return self.weight_bytes
-        return self.weight_bytes - self.token_embd_bytes
+        read = self.weight_bytes - (0 if self.tied_embeddings else self.token_embd_bytes)
+        if self.n_expert:  # of each expert tensor, only the experts a token is routed to
+            read -= self.expert_bytes * (self.n_expert - self.n_expert_used) // self.n_expert
+        return read
 
     @classmethod
     def from_gguf(cls, path: Path) -> ModelShape:
@@ -94,7 +107,14 @@ class ModelShape:
             weight_bytes=sum(tensors.values()),
             token_embd_bytes=tensors.get("token_embd.weight", 0),
             tied_embeddings="output.weight" not in tensors and "token_embd.weight" in tensors,
+            n_expert=int(_field(reader, f"{arch}.expert_count", 0)),
+            n_expert_used=int(_field(reader, f"{arch}.expert_used_count", 0)),
+            tensors=tuple(tensors.items()),
         )
+
+
+_EXPERTS = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")  # llama.cpp's LLM_FFN_EXPS_REGEX
+_LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -115,6 +135,7 @@ class MemoryEstimate:
     kv_cache: int
     compute: int
     overhead: int
+    host: int = 0  # host memory (RSS): the weights, K/V and compute buffers that stay with the CPU, + overhead
 
     @property
     def total(self) -> int:
@@ -156,7 +177,8 @@ def predict(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryEsti
     path = draft.model_path
     extra = _one_model(_shape_of(path, path.stat().st_mtime_ns), draft, on_gpu)
     return MemoryEstimate(weights=own.weights + extra.weights, kv_cache=own.kv_cache + extra.kv_cache,
-                          compute=own.compute + extra.compute, overhead=own.overhead)
+                          compute=own.compute + extra.compute, overhead=own.overhead,
+                          host=own.host + extra.host - CPU_RUNTIME_OVERHEAD)
 
 
 @functools.lru_cache(maxsize=8)
@@ -165,17 +187,58 @@ def _shape_of(path: Path, mtime_ns: int) -> ModelShape:
     return ModelShape.from_gguf(path)
 
 
+@dataclass(frozen=True)
+class WeightPlacement:
+    """Bytes of weights on the GPU and in host memory, and how many layers' K/V go with the GPU."""
+
+    gpu: int
+    host: int
+    gpu_layers: int  # repeating layers on the GPU (their K/V too, with kv_offload)
+
+
+def place_weights(shape: ModelShape, config: EngineConfig) -> WeightPlacement:
+    """Where llama.cpp puts each tensor of the file for `config` (llama-model.cpp's rules, see the module)."""
+    offloaded = shape.n_layer + 1 if config.n_gpu_layers < 0 else min(config.n_gpu_layers, shape.n_layer + 1)
+    first_gpu = shape.n_layer + 1 - offloaded  # layer index; the output layer is index n_layer
+    overrides = [(re.compile(o.pattern), o.buffer_type != "CPU") for o in config.tensor_overrides()]
+    gpu = host = 0
+    for name, size in shape.tensors or (("token_embd.weight", shape.token_embd_bytes),):
+        layer = _layer_of(name, shape.n_layer)
+        on_gpu = layer is not None and layer >= first_gpu
+        on_gpu = next((where for pattern, where in overrides if pattern.search(name)), on_gpu)
+        if on_gpu:
+            gpu += size
+        else:
+            host += size
+        if name == "token_embd.weight" and shape.tied_embeddings and first_gpu <= shape.n_layer:
+            gpu += size  # the output layer's copy of the tied embedding
+    gpu_layers = min(max(shape.n_layer - first_gpu, 0), shape.n_layer)
+    if not shape.tensors:  # a shape built without its tensor list: the layers' weights pro rata
+        gpu = shape.bytes_read_per_token * min(offloaded, shape.n_layer) // shape.n_layer
+    return WeightPlacement(gpu, host, gpu_layers)
+
+
+def _layer_of(name: str, n_layer: int) -> int | None:
+    """A tensor's layer for offloading: its block, the output layer (n_layer) for the final norm and output,
+    None for the input embedding (always host memory)."""
+    found = _LAYER.match(name)
+    if found:
+        return int(found.group(1))
+    return None if name.startswith("token_embd") else n_layer
+
+
 def _one_model(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryEstimate:
-    layers_on_device = shape.n_layer if config.n_gpu_layers < 0 else min(config.n_gpu_layers, shape.n_layer)
-    layer_bytes = shape.bytes_read_per_token
-    if on_gpu:
-        weights = int(layer_bytes * layers_on_device / shape.n_layer)
-        overhead = GPU_RUNTIME_OVERHEAD
-    else:
-        weights = shape.weight_bytes
-        overhead = CPU_RUNTIME_OVERHEAD
-    return MemoryEstimate(weights=weights, kv_cache=kv_cache_bytes(shape, config),
-                          compute=compute_bytes(shape, config), overhead=overhead)
+    kv = kv_cache_bytes(shape, config)
+    compute = compute_bytes(shape, config)
+    if not on_gpu:
+        total_host = shape.weight_bytes + kv + compute + CPU_RUNTIME_OVERHEAD
+        return MemoryEstimate(weights=shape.weight_bytes, kv_cache=kv, compute=compute,
+                              overhead=CPU_RUNTIME_OVERHEAD, host=total_host)
+    placed = place_weights(shape, config)
+    kv_gpu = kv * placed.gpu_layers // shape.n_layer if config.kv_offload else 0
+    cpu_compute = compute if placed.host > shape.token_embd_bytes or kv_gpu < kv else 0
+    return MemoryEstimate(weights=placed.gpu, kv_cache=kv_gpu, compute=compute, overhead=GPU_RUNTIME_OVERHEAD,
+                          host=placed.host + (kv - kv_gpu) + cpu_compute + CPU_RUNTIME_OVERHEAD)
 
 
 def parse_bytes(text: str) -> int:

@@ -64,6 +64,7 @@ class SearchOptions:
     base_config: Path = REPO_ROOT / "configs" / "default.yaml"
     space: Path | None = None
     vram_budget: str | None = None
+    ram_budget: str | None = None
     min_ctx_per_slot: int | None = None
     device: DeviceChoice = DeviceChoice.auto
     gen_tokens: int = 64
@@ -168,6 +169,8 @@ def _parser() -> argparse.ArgumentParser:
     space.add_argument("--space", type=Path, help="search-space YAML (default: configs/search_space.yaml)")
     space.add_argument("--vram-budget", help="memory budget, e.g. 32GiB (default: the GPU's memory minus 1 GiB; "
                                              "on the CPU half this machine's RAM, counted as resident memory)")
+    space.add_argument("--ram-budget", help="host memory a config may take when part of the model lives there, "
+                                            "e.g. 64GiB (default: three quarters of this machine's RAM)")
     space.add_argument("--min-ctx-per-slot", type=int,
                        help="least context per slot (default: min(2048, the model's training context))")
     space.add_argument("--max-quality-loss", type=float, default=d.max_quality_loss,
@@ -264,7 +267,8 @@ def parse_options(argv: list[str] | None = None) -> SearchOptions:
     return SearchOptions(
         trials=ns.trials, where=ns.where or Where.auto, app_name=ns.app_name, ray_address=ns.ray_address,
         serve_address=ns.serve_address, model=ns.model, base_config=ns.base_config, space=ns.space,
-        vram_budget=ns.vram_budget, min_ctx_per_slot=ns.min_ctx_per_slot, device=DeviceChoice(ns.device),
+        vram_budget=ns.vram_budget, ram_budget=ns.ram_budget, min_ctx_per_slot=ns.min_ctx_per_slot,
+        device=DeviceChoice(ns.device),
         gen_tokens=ns.gen_tokens, repeats=ns.repeats, prompt_set=ns.prompt_set, min_stream_tok_s=ns.min_stream_tok_s,
         max_quality_loss=ns.max_quality_loss, workload=ns.workload, slo=slo, requests=ns.requests,
         concurrency=ns.concurrency, rate=ns.rate, rate_scale=ns.rate_scale, length_scale=ns.length_scale,

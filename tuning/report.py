@@ -17,7 +17,8 @@ __all__ = ["Objective", "TrialRow", "markdown", "pareto_front", "pick", "rows_fr
 
 PICK_WITHIN = 0.05  # the balanced pick: best aggregate among trials within 5% of the best single stream
 GOODPUT_TIE = 0.02  # goodputs this close tie: at a fixed arrival rate every config that keeps up serves the same
-PARAM_KEYS = ("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn", "n_gpu_layers")
+PARAM_KEYS = ("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn", "n_gpu_layers",
+              "n_cpu_moe", "n_threads")
 
 
 @dataclass
@@ -61,6 +62,8 @@ class TrialRow:
         label = (f"np{p.get('n_parallel')} b{p.get('n_batch')}/{ubatch} c{p.get('ctx_per_slot')}/slot "
                  f"{p.get('type_k')}/{p.get('type_v')} fa-{p.get('flash_attn')}")
         label += f" ngl{p['n_gpu_layers']}" if "n_gpu_layers" in p else ""
+        label += f" cpu-moe{p['n_cpu_moe']}" if "n_cpu_moe" in p else ""
+        label += f" t{p['n_threads']}" if "n_threads" in p else ""
         return label + (f" spec-{p['spec_mode']}" if p.get("spec_mode", "off") != "off" else "")
 
 

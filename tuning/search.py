@@ -32,7 +32,8 @@ from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
 from tuning.options import REPO_ROOT, DeviceChoice, Sampler, SearchOptions, Where, parse_options  # noqa: E402
 from tuning.confirm import Candidate, Verdict  # noqa: E402
 from tuning.report import Objective, TrialRow  # noqa: E402
-from tuning.space import SearchSpace, SpaceFunction, to_engine_config  # noqa: E402
+from tuning.space import (PlacementKnob, PlacementSearch, SearchSpace, SpaceFunction,  # noqa: E402
+                          to_engine_config)
 from tuning.workloads import TrafficPlan, UserError, least_context, traffic_plan  # noqa: E402
 
 if TYPE_CHECKING:
@@ -158,6 +159,17 @@ def choose_device(opts: SearchOptions, total: int, free: int, in_place: bool = F
     return True
 
 
+def ram_budget_bytes(opts: SearchOptions) -> int:
+    """Host memory a config may take (weights left in host memory, their K/V, the CPU's buffers): --ram-budget,
+    else three quarters of this machine's memory."""
+    if opts.ram_budget:
+        try:
+            return parse_bytes(opts.ram_budget)
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 3 // 4
+
+
 def budget_bytes(opts: SearchOptions, on_gpu: bool) -> int:
     if opts.vram_budget:
         try:
@@ -172,13 +184,17 @@ def budget_bytes(opts: SearchOptions, on_gpu: bool) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
-def layer_search(shape: ModelShape, base: EngineConfig, budget: int, on_gpu: bool,
-                 space: SearchSpace, ctx: int) -> int | None:
-    """None when all layers fit with the smallest config; else the layer count to search up to."""
+def placement_search(shape: ModelShape, base: EngineConfig, budget: int, on_gpu: bool,
+                     space: SearchSpace, ctx: int) -> PlacementSearch | None:
+    """None when the whole model fits with the smallest config; else what to move to host memory: a mixture
+    of experts keeps its attention and shared weights on the GPU and moves experts (per token it reads only
+    the experts it is routed to, so this costs far less than moving whole layers); a dense model moves layers."""
     smallest = cheapest_config(base, space, ctx)
     if not on_gpu or predict(shape, smallest, on_gpu).total <= budget:
         return None
-    return shape.n_layer
+    if shape.n_expert:
+        return PlacementSearch(PlacementKnob.experts, shape.n_layer)
+    return PlacementSearch(PlacementKnob.layers, shape.n_layer)
 
 
 def cheapest_config(base: EngineConfig, space: SearchSpace, ctx: int) -> EngineConfig:
@@ -226,12 +242,12 @@ def make_sampler(name: Sampler, seed: int) -> Any:
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
 
 
-def make_searcher(opts: SearchOptions, space: SearchSpace, contexts: list[int], n_layers: int | None,
+def make_searcher(opts: SearchOptions, space: SearchSpace, contexts: list[int], placement: PlacementSearch | None,
                   baseline: dict[str, Any] | None, storage: Any, study_name: str, base: EngineConfig) -> Any:
     from tuning.recording import RecordingOptunaSearch
 
     return RecordingOptunaSearch(
-        space=SpaceFunction(space, contexts, n_layers),
+        space=SpaceFunction(space, contexts, placement),
         metric=["single_tok_s", opts.objective.key], mode=["max", "max"],
         points_to_evaluate=[baseline] if baseline else None,
         sampler=make_sampler(opts.sampler, opts.seed), study_name=study_name, storage=storage, seed=opts.seed,
@@ -543,7 +559,7 @@ def run(opts: SearchOptions, session: Session) -> int:
     on_gpu = choose_device(opts, total, free, in_place=app is not None)
     budget = budget_bytes(opts, on_gpu)
     check_possible(shape, base, space, contexts[0], budget, on_gpu)
-    n_layers = layer_search(shape, base, budget, on_gpu, space, contexts[0])
+    placement = placement_search(shape, base, budget, on_gpu, space, contexts[0])
     # in place measures other conditions (live replicas, the whole device's memory): a study of its own
     where = "-inplace" if app is not None else ""
     on = f"-{traffic.workload.name}" if traffic is not None else ""
@@ -557,8 +573,9 @@ def run(opts: SearchOptions, session: Session) -> int:
     workload = Workload(gen_tokens=opts.gen_tokens, repeats=opts.repeats, prompt_set=opts.workload_prompt_set,
                         report_copy=opts.prompt_set == "both", min_stream_tok_s=opts.min_stream_tok_s)
     settings = TrialSettings(base=base, shape=shape, budget_bytes=budget, on_gpu=on_gpu, workload=workload,
-                             max_quality_loss=opts.max_quality_loss, traffic=traffic)
-    searcher = make_searcher(opts, space, contexts, n_layers, baseline, storage, study_name, base)
+                             max_quality_loss=opts.max_quality_loss, traffic=traffic,
+                             ram_budget_bytes=ram_budget_bytes(opts))
+    searcher = make_searcher(opts, space, contexts, placement, baseline, storage, study_name, base)
     print(plan_line(opts, base, app, on_gpu, total, budget, min_ctx), flush=True)
     wall = run_study(opts=opts, settings=settings, searcher=searcher, on_gpu=on_gpu, gpus=total,
                      study_name=study_name, app=app)

@@ -2,7 +2,9 @@
 
 Every point it proposes is a valid EngineConfig: n_ubatch is clamped to n_batch, a quantised V cache forces
 flash attention on, context is searched per slot and never below `min_ctx_per_slot` (the tuner must not
-win by starving context), n_gpu_layers is searched only when the weights alone exceed the budget, and
+win by starving context), placement is searched only when the weights do not fit the budget with the
+smallest config (`n_cpu_moe`, the layers whose experts live in host memory, for a mixture of experts; else
+`n_gpu_layers`; and `n_threads` for what the CPU then computes, when the space lists several), and
 speculative decoding (`spec_mode`) only when the space lists more than `off`, its draft bound and busy-slot
 limit only for the configs that speculate (measure it with `--prompt-set both`: prompt lookup pays on text
 that copies its prompt).
@@ -10,6 +12,8 @@ that copies its prompt).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +43,21 @@ class SearchSpace(BaseModel):
                                       "with speculation on; one value = not searched")
     spec_max_busy: list[int] = Field(default_factory=lambda: [1], description="speculate while at most this many "
                                      "slots are busy, with speculation on; one value = not searched")
+    n_threads: list[int] = Field(default_factory=list, description="CPU threads to search when part of the "
+                                 "model lives in host memory; [] = the base config's")
 
     @field_validator("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "spec_draft_max", "spec_max_busy")
     @classmethod
     def _positive(cls, values: list[int]) -> list[int]:
         if not values or any(v < 1 for v in values):
             raise ValueError("needs at least one value, all positive")
+        return sorted(set(values))
+
+    @field_validator("n_threads")
+    @classmethod
+    def _threads(cls, values: list[int]) -> list[int]:
+        if any(v < 1 for v in values):
+            raise ValueError("thread counts are positive")
         return sorted(set(values))
 
     @field_validator("flash_attn", "spec_mode", mode="before")
@@ -71,7 +84,22 @@ class SearchSpace(BaseModel):
         return allowed
 
 
-def suggest(trial: Any, space: SearchSpace, contexts: list[int], n_layer_choices: int | None) -> dict[str, Any]:
+class PlacementKnob(str, Enum):
+    """What moves between the GPU and host memory when the model does not fit."""
+
+    layers = "n_gpu_layers"  # whole layers (a dense model)
+    experts = "n_cpu_moe"  # the expert tensors of the first N layers (a mixture of experts)
+
+
+@dataclass(frozen=True)
+class PlacementSearch:
+    """The placement setting searched, from 0 to `upper` (layers on the GPU, or layers whose experts are not)."""
+
+    knob: PlacementKnob
+    upper: int
+
+
+def suggest(trial: Any, space: SearchSpace, contexts: list[int], placement: PlacementSearch | None) -> dict[str, Any]:
     """Define-by-run: draw one config's settings from `trial` (an optuna.Trial). Names match EngineConfig,
     except ctx_per_slot, which `to_engine_config` turns into n_ctx."""
     params: dict[str, Any] = {
@@ -86,8 +114,12 @@ def suggest(trial: Any, space: SearchSpace, contexts: list[int], n_layer_choices
         params["flash_attn"] = FlashAttn.on.value  # llama.cpp needs it for a quantised V cache
     else:
         params["flash_attn"] = trial.suggest_categorical("flash_attn", [f.value for f in space.flash_attn])
-    if n_layer_choices is not None:
-        params["n_gpu_layers"] = trial.suggest_int("n_gpu_layers", 0, n_layer_choices)
+    if placement is not None:
+        params[placement.knob.value] = trial.suggest_int(placement.knob.value, 0, placement.upper)
+        if len(space.n_threads) > 1:
+            params["n_threads"] = trial.suggest_categorical("n_threads", space.n_threads)
+        elif space.n_threads:
+            params["n_threads"] = space.n_threads[0]
     if space.spec_mode != [SpecMode.off]:  # searched only when the space asks: it changes what is measured
         params["spec_mode"] = trial.suggest_categorical("spec_mode", [m.value for m in space.spec_mode])
     if params.get("spec_mode", SpecMode.off.value) != SpecMode.off.value:  # its settings matter only when on
@@ -100,11 +132,11 @@ def suggest(trial: Any, space: SearchSpace, contexts: list[int], n_layer_choices
 class SpaceFunction:
     """The define-by-run function handed to OptunaSearch (a class, so Ray Tune can pickle it)."""
 
-    def __init__(self, space: SearchSpace, contexts: list[int], n_layer_choices: int | None) -> None:
-        self.space, self.contexts, self.n_layer_choices = space, contexts, n_layer_choices
+    def __init__(self, space: SearchSpace, contexts: list[int], placement: PlacementSearch | None) -> None:
+        self.space, self.contexts, self.placement = space, contexts, placement
 
     def __call__(self, trial: Any) -> dict[str, Any]:
-        return suggest(trial, self.space, self.contexts, self.n_layer_choices)
+        return suggest(trial, self.space, self.contexts, self.placement)
 
 
 def to_engine_config(params: dict[str, Any], base: EngineConfig) -> EngineConfig:

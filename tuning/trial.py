@@ -38,6 +38,7 @@ class TrialSettings:
     workload: Workload
     max_quality_loss: float
     traffic: TrafficPlan | None = None  # a traffic workload to replay instead of the fixed benchmark
+    ram_budget_bytes: int | None = None  # host memory a config may take (with part of the model on the CPU)
 
 
 class ConfigTrial(tune.Trainable):
@@ -69,6 +70,8 @@ class ConfigTrial(tune.Trainable):
                              goodput_rps=0.0 if s.traffic is not None else None)
         if predicted.total > s.budget_bytes:
             result = replace(result, rejected="predicted memory over budget")
+        elif s.on_gpu and s.ram_budget_bytes is not None and predicted.host > s.ram_budget_bytes:
+            result = replace(result, rejected="predicted host memory over the RAM budget")
         elif config in self.measured:  # different parameters, same engine (e.g. n_ubatch clamped): no re-run
             result = result.measured(self.measured[config], reused=True)
         else:

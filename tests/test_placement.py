@@ -1,0 +1,208 @@
+"""Models that do not fit: the placement settings (llama-server's --n-cpu-moe, -ot, -nkvo, -sm, -ts, -mg), the
+memory model that says where each tensor lives, the search that turns placement on only when the budget needs
+it, and a tiny mixture of experts loading and generating with its experts in host memory."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from serving.config import EXPERTS_OF_LAYER, EngineConfig, SplitMode, TensorOverride
+from tests.helpers import script_module
+
+
+@pytest.fixture(scope="module")
+def synthetic() -> Iterator[ModuleType]:
+    yield from script_module("make_synthetic_gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(synthetic: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `tinymoe` preset: qwen3moe, 4 layers of 8 experts (2 used), Q8_0, ~19 MB."""
+    out = tmp_path_factory.mktemp("moe") / "tinymoe.gguf"
+    synthetic.write_model(synthetic.PRESETS["tinymoe"], out, seed=3, log=lambda _: None)
+    return out
+
+
+# -- the settings ------------------------------------------------------------------------------------
+@pytest.mark.unit
+def test_placement_settings_read_as_llama_server_writes_them() -> None:
+    config = EngineConfig(n_cpu_moe=2, override_tensor="blk\\.3\\.ffn_.*=CPU,output=CUDA0", tensor_split="3,1",
+                          split_mode="row", main_gpu=1, kv_offload=False)
+    assert config.override_tensor == ("blk\\.3\\.ffn_.*=CPU", "output=CUDA0") and config.tensor_split == (3.0, 1.0)
+    assert config.split_mode is SplitMode.row
+    # -ot first, then --n-cpu-moe's patterns (llama-server's order: the first match wins)
+    assert [str(o) for o in config.tensor_overrides()] == [
+        "blk\\.3\\.ffn_.*=CPU", "output=CUDA0", EXPERTS_OF_LAYER.format(layer=0) + "=CPU",
+        EXPERTS_OF_LAYER.format(layer=1) + "=CPU"]
+    assert re.search(EXPERTS_OF_LAYER.format(layer=1), "blk.1.ffn_gate_exps.weight")
+    assert not re.search(EXPERTS_OF_LAYER.format(layer=1), "blk.11.ffn_gate_exps.weight")
+    assert not re.search(EXPERTS_OF_LAYER.format(layer=1), "blk.1.ffn_gate.weight")  # a dense FFN stays
+    # placement changes reload the weights; kv_offload only rebuilds the context
+    base = EngineConfig()
+    assert not base.same_weights(base.model_copy(update={"n_cpu_moe": 1}))
+    assert base.same_weights(base.model_copy(update={"kv_offload": False}))
+    assert hash(config) == hash(EngineConfig(**config.model_dump()))  # still a key for measured configs
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fields,why", [
+    ({"override_tensor": "ffn_exps"}, "PATTERN=BUFFER_TYPE"),
+    ({"override_tensor": "blk\\.(1=CPU"}, "not a regular expression"),
+    ({"override_tensor": "ffn=GPU0"}, "unknown buffer type 'GPU0'"),
+    ({"override_tensor": "ffn=cpu"}, "unknown buffer type 'cpu'"),
+    ({"n_cpu_moe": -1}, "n_cpu_moe"),
+    ({"tensor_split": [1, -1]}, "tensor_split"),
+    ({"split_mode": "diagonal"}, "split_mode"),
+])
+def test_bad_placement_settings_are_clear_errors_at_config_time(fields: dict[str, Any], why: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(why)):
+        EngineConfig(**fields)
+
+
+@pytest.mark.engine  # measure.targets loads the engine
+def test_llama_server_gets_the_same_placement_flags() -> None:
+    from measure.targets import llama_server_flags
+
+    flags = llama_server_flags(EngineConfig(n_cpu_moe=3, override_tensor=["exps=CPU"], kv_offload=False,
+                                            split_mode="none", main_gpu=1, tensor_split=[1, 1]))
+    joined = " ".join(flags)
+    assert "--n-cpu-moe 3" in joined and "-ot exps=CPU" in joined and "-nkvo" in flags
+    assert "-sm none" in joined and "-mg 1" in joined and "-ts 1,1" in joined
+    assert TensorOverride.parse("a=b=CPU") == TensorOverride("a=b", "CPU")  # the last '=' splits, as -ot's
+
+
+# -- the memory model --------------------------------------------------------------------------------
+@pytest.mark.engine  # writes a GGUF (numpy) and reads its header
+def test_the_memory_model_places_experts_layers_and_kv_as_llama_cpp_does(tiny_moe: Path) -> None:
+    from tuning.memory import ModelShape, kv_cache_bytes, place_weights, predict
+
+    shape = ModelShape.from_gguf(tiny_moe)
+    sizes = dict(shape.tensors)
+    assert shape.n_expert == 8 and shape.n_expert_used == 2
+    assert shape.expert_bytes > (shape.weight_bytes - shape.token_embd_bytes) // 2  # the layers are mostly experts
+    # per token only 2 of 8 experts are read
+    assert shape.bytes_read_per_token == shape.weight_bytes - shape.expert_bytes * 6 // 8  # tied: embd read
+    everything = place_weights(shape, EngineConfig(model=tiny_moe))
+    assert everything.gpu == shape.weight_bytes and everything.host == shape.token_embd_bytes  # + tied copy
+    experts_of = [sum(v for k, v in sizes.items() if k.startswith(f"blk.{i}.") and "_exps" in k) for i in range(4)]
+    for n in range(5):
+        moved = place_weights(shape, EngineConfig(model=tiny_moe, n_cpu_moe=n))
+        assert moved.host - everything.host == sum(experts_of[:n]) == everything.gpu - moved.gpu
+        assert moved.gpu_layers == 4  # attention and K/V stay on the GPU
+    config = EngineConfig(model=tiny_moe, n_ctx=1024, n_parallel=1, override_tensor=["ffn_.*_exps=CPU"])
+    assert place_weights(shape, config).host == shape.token_embd_bytes + shape.expert_bytes
+    # n_gpu_layers counts the output layer as one more: 2 puts block 3 and the output layer on the GPU
+    two = place_weights(shape, EngineConfig(model=tiny_moe, n_gpu_layers=2))
+    block3 = sum(v for k, v in sizes.items() if k.startswith("blk.3."))
+    assert two.gpu == block3 + sizes["output_norm.weight"] + shape.token_embd_bytes and two.gpu_layers == 1
+    # K/V: with its layers unless kv_offload is off; then it is host memory
+    kv = kv_cache_bytes(shape, config)
+    on = predict(shape, config, on_gpu=True)
+    off = predict(shape, config.model_copy(update={"kv_offload": False}), on_gpu=True)
+    assert on.kv_cache == kv and off.kv_cache == 0 and off.host - on.host == kv
+    assert predict(shape, two_config := EngineConfig(model=tiny_moe, n_gpu_layers=2, n_ctx=1024, n_parallel=1),
+                   on_gpu=True).kv_cache == kv_cache_bytes(shape, two_config) // 4
+
+
+# -- the search ----------------------------------------------------------------------------------------
+@pytest.mark.engine
+def test_placement_is_searched_only_when_the_budget_needs_it(tiny_moe: Path) -> None:
+    from tuning.memory import ModelShape, predict
+    from tuning.search import cheapest_config, placement_search
+    from tuning.space import PlacementKnob, PlacementSearch, SearchSpace, suggest
+
+    shape = ModelShape.from_gguf(tiny_moe)
+    space = SearchSpace(n_threads=[2, 4])
+    base = EngineConfig(model=tiny_moe)
+    need = predict(shape, cheapest_config(base, space, 1024), on_gpu=True).total
+    assert placement_search(shape, base, need, True, space, 1024) is None  # it fits: nothing moves
+    assert placement_search(shape, base, need - 1, False, space, 1024) is None  # on the CPU nothing to move
+    assert placement_search(shape, base, need - 1, True, space, 1024) == PlacementSearch(PlacementKnob.experts, 4)
+    dense = ModelShape(**{**shape.__dict__, "n_expert": 0, "n_expert_used": 0})
+    assert placement_search(dense, base, need - 1, True, space, 1024) == PlacementSearch(PlacementKnob.layers, 4)
+
+    class Trial:  # an optuna.Trial's suggest_* API, taking the last choice / the upper bound
+        def suggest_categorical(self, _: str, choices: list[Any]) -> Any:
+            return choices[-1]
+
+        def suggest_int(self, _: str, low: int, high: int) -> int:
+            return high
+
+    drawn = suggest(Trial(), space, [1024], PlacementSearch(PlacementKnob.experts, 4))
+    assert drawn["n_cpu_moe"] == 4 and drawn["n_threads"] == 4 and "n_gpu_layers" not in drawn
+    assert "n_cpu_moe" not in suggest(Trial(), space, [1024], None)  # no placement: none of its settings
+
+
+@pytest.mark.engine
+def test_a_config_over_the_ram_budget_is_refused_before_it_loads(tiny_moe: Path) -> None:
+    from tuning.memory import ModelShape, predict
+    from tuning.trial import ConfigTrial, TrialSettings
+
+    shape = ModelShape.from_gguf(tiny_moe)
+    params = {"n_parallel": 1, "n_batch": 256, "n_ubatch": 256, "ctx_per_slot": 1024, "type_k": "f16",
+              "type_v": "f16", "flash_attn": "on", "n_cpu_moe": 4}
+    from tuning.space import to_engine_config
+
+    host = predict(shape, to_engine_config(params, EngineConfig(model=tiny_moe)), on_gpu=True).host
+    trial = object.__new__(ConfigTrial)
+    trial.settings = TrialSettings(base=EngineConfig(model=tiny_moe), shape=shape, budget_bytes=1 << 40,
+                                   on_gpu=True, workload=SimpleNamespace(min_stream_tok_s=None),  # type: ignore
+                                   max_quality_loss=1.0, ram_budget_bytes=host - 1)
+    trial.config, trial.actor, trial.measured = params, "test", {}
+    assert trial.trial().rejected == "predicted host memory over the RAM budget"
+
+
+# -- a tiny mixture of experts, loaded ---------------------------------------------------------------
+@pytest.mark.engine
+@pytest.mark.parametrize("placement", [{}, {"n_cpu_moe": 2}, {"override_tensor": ["ffn_.*_exps=CPU"]},
+                                       {"kv_offload": False}])
+def test_a_tiny_moe_loads_and_generates_with_its_experts_placed(tiny_moe: Path, placement: dict[str, Any]) -> None:
+    from serving.engine import Engine
+    from serving.request import FinishReason, SamplingParams
+    from tests.helpers import collect
+
+    engine = Engine(EngineConfig(model=tiny_moe, n_parallel=1, n_ctx=512, **placement))
+    try:
+        gen = collect(engine.submit(engine.tokenize_prompt("Experts on the CPU"),
+                                    SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
+        assert gen.finish_reason is FinishReason.length and len(gen.tokens) == 6
+    finally:
+        engine.close()
+
+
+@pytest.mark.engine
+def test_a_buffer_type_this_build_lacks_is_refused_with_the_ones_it_has(tiny_moe: Path) -> None:
+    from serving.engine import Engine
+    from serving.errors import EngineError
+    from serving.llama import buffer_types
+
+    missing = next(name for name in ("CUDA0", "CUDA7", "Vulkan0") if name not in buffer_types())
+    with pytest.raises(EngineError, match=f"no buffer type '{missing}'.*CPU"):
+        Engine(EngineConfig(model=tiny_moe, n_parallel=1, n_ctx=512, override_tensor=[f"exps={missing}"]))
+
+
+@pytest.mark.engine
+def test_what_fits_a_budget_is_the_most_layers_and_the_fewest_experts_moved(tiny_moe: Path) -> None:
+    from tuning.fit import fewest_expert_layers, most_layers
+    from tuning.memory import ModelShape, predict
+
+    shape = ModelShape.from_gguf(tiny_moe)
+    config = EngineConfig(model=tiny_moe, n_parallel=1, n_ctx=1024)
+    full = predict(shape, config, on_gpu=True).total
+    assert most_layers(shape, config, full) == shape.n_layer + 1 and fewest_expert_layers(shape, config, full) == 0
+    all_experts_out = predict(shape, config.model_copy(update={"n_cpu_moe": shape.n_layer}), on_gpu=True).total
+    tight = (full + all_experts_out) // 2  # some experts must go
+    moved = fewest_expert_layers(shape, config, tight)
+    assert moved is not None and 0 < moved < shape.n_layer
+    assert predict(shape, config.model_copy(update={"n_cpu_moe": moved}), on_gpu=True).total <= tight
+    assert predict(shape, config.model_copy(update={"n_cpu_moe": moved - 1}), on_gpu=True).total > tight
+    layers = most_layers(shape, config, tight)
+    assert layers is not None and layers < shape.n_layer + 1
+    assert fewest_expert_layers(shape, config, 1) is None and most_layers(shape, config, 1) is None
