@@ -7,7 +7,7 @@
 #      model (python -m tuning.fit: the most layers; for the MoE the fewest layers' experts in host memory), then
 #      scripts/bench_device.py on those placements (ours in-process, llama-server with the same flags) and
 #      llama-server --fit on seeing the same free memory; predicted against measured VRAM and host RAM for each.
-# OUT/progress.log says where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow.
+# JOBS (default "moe dense") picks the models. OUT/progress.log says where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow.
 set -uo pipefail
 DIR=${1:?usage: placement-study.sh DIR OUT}
 OUT=${2:?usage: placement-study.sh DIR OUT}
@@ -23,8 +23,9 @@ SERVER=$BUILD/build/bin/llama-server
 [ -f "$MOE" ] || python3 scripts/make_synthetic_gguf.py --preset qwen3moe30b --tokenizer-from "$DIR/tokenizer.gguf" \
   --out "$MOE" >> "$OUT/progress.log" 2>&1 || finish 4
 RC=0
-for job in "moe $MOE $MOE_BUDGET" "dense $MODEL $DENSE_BUDGET"; do
-  read -r name model budget <<< "$job"
+declare -A MODELS=([moe]="$MOE $MOE_BUDGET" [dense]="$MODEL $DENSE_BUDGET")
+for name in ${JOBS:-moe dense}; do
+  read -r model budget <<< "${MODELS[$name]}"
   fit=$(python3 -m tuning.fit --model "$model" --vram-budget "$budget")
   echo "$fit" > "$OUT/fit_$name.json"
   layers=$(python3 -c "import json,sys; print(json.loads(sys.argv[1])['n_gpu_layers'])" "$fit")
