@@ -206,3 +206,18 @@ def test_what_fits_a_budget_is_the_most_layers_and_the_fewest_experts_moved(tiny
     layers = most_layers(shape, config, tight)
     assert layers is not None and layers < shape.n_layer + 1
     assert fewest_expert_layers(shape, config, 1) is None and most_layers(shape, config, 1) is None
+
+
+@pytest.mark.unit
+def test_the_report_says_where_each_part_of_the_model_lived() -> None:
+    from tuning.report import TrialRow, trial_table
+    from tuning.results import TrialResult
+
+    base = {"n_parallel": 2, "n_batch": 512, "n_ubatch": 512, "ctx_per_slot": 2048, "type_k": "q8_0",
+            "type_v": "q8_0", "flash_attn": "on"}
+    rows = [TrialRow(1, TrialResult(params={**base, "n_cpu_moe": 30, "n_threads": 16}, n_ctx=4096,
+                                    mem_predicted=7 << 30, mem_budget=8 << 30, mem_host_predicted=12 << 30))]
+    table = trial_table(rows)
+    assert "host pred GiB" in table and "cpu-moe30 t16" in table and "| 12.00 |" in table
+    plain = trial_table([TrialRow(1, TrialResult(params=base, n_ctx=4096, mem_predicted=1, mem_budget=2))])
+    assert "host pred" not in plain  # everything on the GPU: no column for it

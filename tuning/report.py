@@ -180,10 +180,11 @@ def trial_table(rows: list[TrialRow], traffic: bool | None = None) -> str:
         return traffic_table(rows)
     capacity = any(r.result.capacity_tok_s is not None for r in rows)
     copy = any(r.result.single_copy_tok_s is not None for r in rows)
+    host = any("n_cpu_moe" in r.params or "n_gpu_layers" in r.params for r in rows)  # part of the model on the CPU
     extra_head = (" capacity tok/s (streams) |" if capacity else "") + (" copy-set single tok/s |" if copy else "")
-    extra_rule = "---|" * (capacity + copy)
+    extra_rule = "---|" * (capacity + copy + host)
     head = (f"| # | config | single tok/s | 4-way tok/s |{extra_head} TTFT ms | prefill tok/s | NLL delta "
-            f"| mem pred GiB | mem meas GiB | feasible | notes |\n"
+            f"| mem pred GiB | mem meas GiB |{' host pred GiB |' if host else ''} feasible | notes |\n"
             f"|---|---|---|---|{extra_rule}---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
@@ -194,7 +195,8 @@ def trial_table(rows: list[TrialRow], traffic: bool | None = None) -> str:
         lines.append(
             f"| {r.number} | {r.label()} | {_num(r.single)} | {_num(a.aggregate_tok_s)} |{cap} "
             f"{_num(a.ttft_ms)} | {_num(a.prefill_tok_s, '.0f')} | {_num(a.nll_delta, '+.4f')} "
-            f"| {_gib(a.mem_predicted)} | {_gib(a.mem_measured)} | {'yes' if r.feasible else 'no'} "
+            f"| {_gib(a.mem_predicted)} | {_gib(a.mem_measured)} |"
+            f"{f' {_gib(a.mem_host_predicted)} |' if host else ''} {'yes' if r.feasible else 'no'} "
             f"| {_flags(r)} |")
     return "\n".join(lines)
 

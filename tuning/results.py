@@ -164,6 +164,7 @@ class TrialResult:
     n_ctx: int
     mem_predicted: int
     mem_budget: int
+    mem_host_predicted: int | None = None  # on a GPU: what stays in host memory (weights, K/V, buffers)
     actor: str = ""
     rejected: str = ""  # why the config was refused without loading ("" = it ran)
     error: str = ""  # why it failed while running ("" = it did not)

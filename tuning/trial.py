@@ -64,6 +64,7 @@ class ConfigTrial(tune.Trainable):
         config = to_engine_config(self.config, s.base)
         predicted = predict(s.shape, config, s.on_gpu)
         result = TrialResult(params=dict(self.config), n_ctx=config.n_ctx, mem_predicted=predicted.total,
+                             mem_host_predicted=predicted.host if s.on_gpu else None,
                              mem_budget=s.budget_bytes, actor=self.actor,
                              capacity_tok_s=0.0 if s.workload.min_stream_tok_s is not None else None,
                              workload=s.traffic.workload.name if s.traffic is not None else "",
