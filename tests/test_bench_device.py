@@ -74,8 +74,15 @@ def test_parse_configs(bd):
     assert bd.parse_configs("np4, article") == ["np4", "article"]
     with pytest.raises(argparse.ArgumentTypeError, match="choose from"):
         bd.parse_configs("article,nope")
-    with pytest.raises(argparse.ArgumentTypeError):
-        bd.parse_configs(" , ")
+    assert bd.parse_configs(" , ") == []  # none: only --placement's (main refuses a run with neither)
+    name, config = bd.parse_placement("cpu-moe8:n_cpu_moe=8,n_threads=12")
+    assert name == "cpu-moe8" and config.n_cpu_moe == 8 and config.n_threads == 12
+    assert config.n_parallel == bd.ARTICLE.n_parallel  # the article's config underneath
+    for bad in ("article:n_cpu_moe=1", "nocolon", "x:n_cpu_moe=-1", "x:override_tensor=a=GPU"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bd.parse_placement(bad)
+    assert bd.without_placement(["-ngl", "999", "-c", "4096", "--n-cpu-moe", "3", "-ot", "x=CPU", "-fa", "on"]) == \
+        ["-c", "4096", "-fa", "on"]
 
 
 @pytest.mark.engine
