@@ -19,6 +19,10 @@ renders no tools and forces none) and the same unconstrained twins (`ignore_eos`
 is its own `timings.predicted_per_second`, and each constrained answer of its that ended by itself is checked
 (JSON; the schema's fields; one call of the tool, JSON arguments).
 
+Compile time is reported for a large schema (`large_schema`: 60 properties, nested objects, arrays, enums,
+bounds) both ways: the grammar from the schema (first time, and again: cached), then for the vocabulary (the
+matcher a request copies; llama.cpp's grammar sampler for GBNF).
+
     python scripts/bench_constrained.py --rounds 5 --out docs/results/bench_constrained_cpu.json
     python scripts/bench_constrained.py --model big.gguf --gpu-layers -1     # the GPU model
     python scripts/bench_constrained.py --llama-server .llama-build/bin/llama-server --server-args "-t 2"
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from dataclasses import dataclass
 import json
 import shlex
@@ -49,8 +54,8 @@ from serving.config import EngineConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.request import (Constraint, ConstraintKind, FinishReason, GenerationChunk, SamplingParams,  # noqa: E402
                              Usage)
-from serving.structured import (ANSWER_BOUNDS, CALL_BOUNDS, bounded, response_format_guide,  # noqa: E402
-                                tool_call_guide)
+from serving.structured import (ANSWER_BOUNDS, CALL_BOUNDS, bounded, json_schema_guide,  # noqa: E402
+                                response_format_guide, tool_call_guide)
 from serving.tools import messages_for_plain_template  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
@@ -101,6 +106,48 @@ def modes() -> dict[str, Mode]:
         "tool_call": Mode("What's the weather in Paris, in celsius?", True,
                           tool_call_guide([("get_weather", params)], parallel=False), tool_gbnf),
     }
+
+
+def large_schema(n: int = 60, salt: str = "") -> dict[str, Any]:
+    """A schema of an API's size: `n` properties cycling through strings with bounds, integers with ranges,
+    enums, nested objects and arrays of objects; `salt` makes it a new text (no cache hit)."""
+    kinds: list[dict[str, Any]] = [
+        {"type": "string", "maxLength": 80},
+        {"type": "integer", "minimum": 0, "maximum": 10_000},
+        {"enum": ["low", "medium", "high", "critical"]},
+        {"type": "object", "properties": {"street": {"type": "string", "maxLength": 60},
+                                          "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                                          "country": {"enum": ["FR", "DE", "US", "JP"]}},
+         "required": ["street", "country"]},
+        {"type": "array", "maxItems": 5, "items": {"type": "object", "properties": {
+            "sku": {"type": "string", "maxLength": 12}, "qty": {"type": "integer", "minimum": 1}},
+            "required": ["sku", "qty"]}},
+        {"type": "boolean"},
+    ]
+    props = {f"field_{i}{salt}": kinds[i % len(kinds)] for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props)[: n // 2]}
+
+
+def compile_times(engine: Engine) -> dict[str, float]:
+    """Milliseconds to compile the large schema: to a guide (first, cached) and for the vocabulary, and the same
+    through GBNF (llama-cpp-python's converter, then llama.cpp's grammar sampler)."""
+    def ms(work: Any) -> float:
+        t0 = time.perf_counter()
+        work()
+        return (time.perf_counter() - t0) * 1e3
+
+    fresh = large_schema(salt=f"_{time.time_ns()}")
+    guide: list[Constraint] = []
+    first = ms(lambda: guide.append(json_schema_guide(fresh)))
+    again = ms(lambda: json_schema_guide(fresh))
+    vocab_first = ms(lambda: engine.check_constraint(guide[0]))
+    vocab_again = ms(lambda: engine.check_constraint(guide[0]))
+    gbnf: list[str] = []
+    gbnf_ms = ms(lambda: gbnf.append(gbnf_of(bounded(fresh, ANSWER_BOUNDS))[0]))
+    sampler_ms = ms(lambda: engine.check_constraint(Constraint(ConstraintKind.gbnf, gbnf[0])))
+    return {"properties": len(fresh["properties"]), "schema_chars": len(json.dumps(fresh)),
+            "guide_ms": first, "guide_cached_ms": again, "guide_vocab_ms": vocab_first,
+            "guide_vocab_cached_ms": vocab_again, "gbnf_ms": gbnf_ms, "gbnf_sampler_ms": sampler_ms}
 
 
 def prompt(engine: Engine, text: str, tools: bool, n: int) -> list[int]:
@@ -257,13 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{m} {samples[m][-1]['decode_tok_s']:.1f} / {twins[m][-1]['decode_tok_s']:.1f}" for m in ours),
                 flush=True)
+        compiled = compile_times(engine)
     finally:
         engine.close()
     results = summarise(samples, twins)
     peer = (asyncio.run(measure_llama_server(args.llama_server, config, shlex.split(args.server_args), table,
                                              args.rounds, args.gen_tokens)) if args.llama_server else None)
     report = {"provenance": provenance(), "config": config.to_yaml_dict(), "results": results,
-              "llama_server": peer}
+              "llama_server": peer, "compile": compiled}
     write_report(args.out, report)
     print("| server | mode | decode tok/s | same request unconstrained | ms/token | x unconstrained (paired) | "
           "resampled tokens |")
@@ -273,6 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rate = "" if res["resample_rate"] is None else f"{res['resample_rate']:.0%}"
             print(f"| {server} | {name} | {res['decode_tok_s']:.1f} | {res['unconstrained_tok_s']:.1f} | "
                   f"{res['ms_per_token']:.2f} | {res['vs_unconstrained']:.3f} | {rate} |")
+    print("compile, a schema of {properties} properties ({schema_chars} characters): llguidance {guide_ms:.1f} ms "
+          "(cached {guide_cached_ms:.3f}), for the vocabulary {guide_vocab_ms:.1f} ms (cached {guide_vocab_cached_ms:.3f}"
+          "); GBNF {gbnf_ms:.1f} ms, llama.cpp's grammar sampler {gbnf_sampler_ms:.1f} ms".format(**compiled))
     print(f"wrote {args.out}")
     return 0
 

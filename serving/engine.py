@@ -41,7 +41,7 @@ from serving.errors import EngineError, EngineStoppedError, PromptTooLongError, 
 from serving.output import OutputProcessor  # noqa: E402
 from serving.prompt_cache import PromptCache  # noqa: E402
 from serving.repack import use_extra_bufts  # noqa: E402
-from serving.request import Request, RequestHandle, SamplingParams  # noqa: E402
+from serving.request import Constraint, Request, RequestHandle, SamplingParams  # noqa: E402
 from serving.scheduler import RequestOutput, Scheduler  # noqa: E402
 from serving.traffic import (DEFAULT_LIMIT, RequestShape, ShapeInProgress, TrafficRecord,  # noqa: E402
                              TrafficSummary, TrafficTag)
@@ -299,6 +299,11 @@ class Engine:
                 log.error("the engine's step thread did not stop within %.0f s; it frees llama.cpp's memory "
                           "when it leaves", JOIN_TIMEOUT_S)
 
+    def check_constraint(self, constraint: Constraint) -> None:
+        """ValueError unless this model can enforce `constraint`; a guide is compiled for the vocabulary here
+        (and cached), so the request that brings it, not the step thread, pays the compile."""
+        self._with_model(lambda m: m.check_constraint(constraint))
+
     # -- helpers for callers -------------------------------------------------------------------------
     def _with_model(self, use: Callable[[LlamaModel], Any]) -> Any:
         with self._model_lock:
@@ -312,9 +317,8 @@ class Engine:
         self._check_ids(prompt_tokens)
         if any(not 0 <= t < self.n_vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {self.n_vocab})")
-        constraint = params.constraint
-        if constraint is not None:
-            self._with_model(lambda m: m.check_constraint(constraint))
+        if params.constraint is not None:
+            self.check_constraint(params.constraint)
         n_requested = params.max_tokens or 0
         if len(prompt_tokens) + max(n_requested, 1) > self._n_ctx_slot:
             raise PromptTooLongError(len(prompt_tokens), n_requested, self._n_ctx_slot)
