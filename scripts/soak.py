@@ -21,6 +21,13 @@ Phases (see docs/robustness.md for what each one proves):
                 /health + a probe completion recover within --recovery-bound-s. Recovery time: from the kill
                 to the first successful completion of a request sent after it (a client's or the probe's).
 
+* node-loss   (not in the default run: it starts a cluster of its own) a Ray cluster of two nodes on this
+                machine (measure/cluster.py: a head and a second raylet, one GPU each by declaration), the app
+                on it by `serve run` of configs/serve.yaml with num_replicas=auto (a replica on each node);
+                the second node's raylet SIGKILLed under --kill-clients load: the same criteria as kill (clean
+                errors, no hang), /health of that app `degraded` while the node is gone, the node started again,
+                and both replicas serving again within --recovery-bound-s with the config the other serves.
+
 /health is polled every --health-interval-s by a thread: each answer must be 200 (a 500/503 is tolerated only
 while the replica is down in the kill phase) in under 1 s.
 
@@ -42,8 +49,10 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -57,8 +66,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from _loopback_app import REPO_ROOT, LoopbackApp, parse_overrides  # noqa: E402
+from measure.cluster import ClusterApp, LocalCluster, all_serving  # noqa: E402
 
-PHASES = ("overload", "disconnects", "switch", "penalised", "kill")
+PHASES = ("overload", "disconnects", "switch", "penalised", "kill")  # the default run
+OPT_IN_PHASES = ("node-loss",)
 HEALTH_BOUND_S = 1.0
 PROMPTS = [
     "Write one sentence about the sea.",
@@ -426,15 +437,15 @@ class Soak:
 
     async def load_loop(self, http: httpx.AsyncClient, i: int, stop: asyncio.Event, out: list[Outcome],
                         max_requests: int, max_tokens: int = 24, total_s: float = 60.0,
-                        pause_on_error_s: float = 0.2, only_stream: bool = False) -> None:
-        """One client: requests back to back until `stop` (bounded by `max_requests`)."""
+                        pause_on_error_s: float = 0.2, only_stream: bool = False, base: str | None = None) -> None:
+        """One client: requests back to back until `stop` (bounded by `max_requests`), to `base` (the app)."""
         for n in range(max_requests):
             if stop.is_set():
                 return
             kind, stream, prompt = self.pick(i + n)
             stream = True if only_stream else stream
-            o = await send(http, self.base, kind, request_body(kind, prompt, max_tokens, stream, temperature=0.7),
-                           total_s=total_s)
+            o = await send(http, base or self.base, kind,
+                           request_body(kind, prompt, max_tokens, stream, temperature=0.7), total_s=total_s)
             out.append(o)
             if not o.ok:
                 await asyncio.sleep(pause_on_error_s)
@@ -656,6 +667,56 @@ class Soak:
         elif t_recovered is None:
             res.failures.append(f"no recovery within {a.recovery_bound_s:.0f} s (/health 200 and a completion)")
 
+    async def node_loss(self, res: PhaseResult) -> None:
+        a = self.args
+        cluster = await asyncio.to_thread(LocalCluster.start, 1, 2, 1)
+        work = Path(tempfile.mkdtemp(prefix="soak-cluster-"))
+        app = ClusterApp(cluster, work, {**self.app.app_args, "num_replicas": "auto", "cpus_per_replica": 0.5})
+        outcomes: list[Outcome] = []
+        try:
+            await asyncio.to_thread(app.wait, all_serving(2), "two replicas serving", a.recovery_bound_s + 180)
+            before = {json.dumps(r["config"], sort_keys=True) for r in (await asyncio.to_thread(app.slots))["replicas"]}
+            self.log(f"  app on {cluster.address}: a replica on each of {cluster.nodes}")
+            async with self.client(read_s=a.kill_request_timeout_s) as http:
+                stop = asyncio.Event()
+                clients = [asyncio.create_task(self.load_loop(http, i, stop, outcomes, max_requests=2000,
+                                                              total_s=a.kill_request_timeout_s,
+                                                              pause_on_error_s=0.25, base=app.url))
+                           for i in range(a.kill_clients)]
+                try:
+                    await asyncio.sleep(a.kill_warmup_s)
+                    lost = cluster.nodes[-1]
+                    cluster.kill_node(lost)
+                    t_kill = time.monotonic()
+                    self.log(f"  SIGKILL the raylet of {lost} under {a.kill_clients}-way load "
+                             f"({sum(o.ok for o in outcomes)} requests done before)")
+                    await asyncio.to_thread(app.wait, lambda h: h.get("status") == "degraded", "degraded", 60)
+                    t_degraded = time.monotonic()
+                    await asyncio.sleep(a.kill_after_s)  # served by the survivor meanwhile
+                    await asyncio.to_thread(cluster.add_node, 1, 2)
+                    t_rejoined = time.monotonic()
+                    await asyncio.to_thread(app.wait, all_serving(2), "both replicas back", a.recovery_bound_s)
+                    t_back = time.monotonic()
+                    await asyncio.sleep(a.kill_after_s)
+                finally:
+                    stop.set()
+                    await asyncio.wait_for(asyncio.gather(*clients, return_exceptions=True),
+                                           a.kill_request_timeout_s + 10)
+            after = {json.dumps(r["config"], sort_keys=True) for r in (await asyncio.to_thread(app.slots))["replicas"]}
+        finally:
+            app.stop()
+            await asyncio.to_thread(cluster.stop)
+            shutil.rmtree(work, ignore_errors=True)
+        failures, seen = judge_kill(outcomes, t_kill)
+        errors = Counter(describe(o) for o in outcomes if not o.ok)
+        res.stats = {**summarize(outcomes), **seen, "degraded_after_s": _r(t_degraded - t_kill, 1),
+                     "node_down_s": _r(t_rejoined - t_kill, 1), "back_after_rejoin_s": _r(t_back - t_rejoined, 1),
+                     "failed_while_node_lost": sum(not o.ok for o in outcomes if t_kill <= o.t_start < t_back),
+                     "errors_seen": [f"{n}x {e}" for e, n in errors.most_common(10)]}
+        res.failures += failures
+        if after != before:
+            res.failures.append(f"the replica that came back serves another config: {after} vs {before}")
+
     # -- driver --------------------------------------------------------------------------------------------
     async def run_phase(self, name: str, fn: Callable[[PhaseResult], Awaitable[None]], criterion: str,
                         bound_s: float) -> PhaseResult:
@@ -701,6 +762,9 @@ class Soak:
                           "with text", 300),
             "kill": (self.kill, f"replica SIGKILLed under {a.kill_clients}-way load: clean HTTP errors, no hang, "
                      f"recovery within {a.recovery_bound_s:.0f} s", a.recovery_bound_s + 300),
+            "node-loss": (self.node_loss, f"a node of two SIGKILLed under {a.kill_clients}-way load: clean HTTP "
+                          "errors, no hang, /health degraded, both replicas back with the same config within "
+                          f"{a.recovery_bound_s:.0f} s of the node's return", 2 * a.recovery_bound_s + 600),
         }
         results = []
         for name in phases:
@@ -763,7 +827,9 @@ def markdown(doc: dict[str, Any]) -> str:
     for p in doc["phases"]:
         s, h = p["stats"], p["health"]
         notes = []
-        for key in ("recovery_s", "health_200_after_s", "probe_ok_after_s", "failed_after_recovery", "requests_cancelled_delta", "dropped_by_client",
+        for key in ("recovery_s", "health_200_after_s", "probe_ok_after_s", "failed_after_recovery",
+                    "degraded_after_s", "node_down_s", "back_after_rejoin_s", "failed_while_node_lost",
+                    "requests_cancelled_delta", "dropped_by_client",
                     "drained_after_s", "retry_after_on_503", "greedy_repeat_identical_to_solo"):
             if key in s:
                 notes.append(f"{key}={s[key]}")
@@ -821,7 +887,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-total-s", type=float, default=3600.0, help="the whole run's bound; then it exits")
     args = p.parse_args(argv)
     args.phase_list = [x.strip() for x in args.phases.split(",") if x.strip()]
-    unknown = set(args.phase_list) - set(PHASES)
+    unknown = set(args.phase_list) - set(PHASES) - set(OPT_IN_PHASES)
     if unknown:
         p.error(f"unknown phase(s) {sorted(unknown)}; phases are {', '.join(PHASES)}")
     try:

@@ -23,6 +23,8 @@ replica with a backlog (or one draining for a config change) gets less.
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from dataclasses import asdict
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -46,6 +48,7 @@ from serving.errors import EngineError
 from serving.http import HttpRules
 from serving.ingress import HealthReport, OpenAIIngress
 from serving.metrics import CONTENT_TYPE, ReplicaMetrics
+from serving.node import here
 from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api
 from serving.relay import RelayedPart, RelayedRequest, run_relayed
 from serving.request import SamplingParams
@@ -65,6 +68,7 @@ INTERVAL_MS = 50.0  # stream_interval_ms=auto where HTTP work has a core of its 
 CPU_BOUND_INTERVAL_MS = 200.0  # ... and where the decode threads take every core (docs/performance.md)
 TRAFFIC_DEADLINE_S = 5.0  # /traffic waits this long for every replica's summary
 SLOT_WAIT_S = 60.0  # a slot file action waits this long for its slot to be idle
+HEAD_NODE = "node:__internal_head__"  # Ray's resource of the head node
 
 
 def _n_parallel_limit() -> int:
@@ -134,6 +138,21 @@ def stream_interval_ms(setting: float | Literal["auto"], config: EngineConfig, g
     return CPU_BOUND_INTERVAL_MS if on_cpu and every_core else INTERVAL_MS
 
 
+async def gather_replicas(peers: Any, own: dict[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
+    """Every engine replica's summary (`own` stands in for this one if the broadcast missed it), and how many did
+    not answer in time; None for that count where every replica could not be asked."""
+    try:
+        answers = await peers.broadcast("replica_summary").results_async(timeout_s=TRAFFIC_DEADLINE_S,
+                                                                         return_exceptions=True)
+    except Exception as exc:  # no handle (outside a Serve app), or no replica listed yet
+        log.info("/slots could not ask every replica (%s)", type(exc).__name__)
+        return [own], None
+    summaries = {a["replica"]: a for a in answers if isinstance(a, dict)}
+    summaries.setdefault(own["replica"], own)
+    return sorted(summaries.values(), key=lambda a: a["replica"]), len(answers) - sum(isinstance(a, dict)
+                                                                                       for a in answers)
+
+
 async def gather_traffic(peers: Any, own: TrafficSummary) -> tuple[TrafficSummary, int | None]:
     """Every engine replica's traffic summary merged (`own` stands in for this replica if the broadcast
     missed it), and how many replicas did not answer in time. Where every replica cannot be asked (a Ray
@@ -168,9 +187,11 @@ class LlamaServer(OpenAIRoutes):
     def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:
         self._options = ServerOptions(**options)
         replica = serve.get_replica_context().replica_id.unique_id
+        place = here(replica, _llama.gpu_offload_supported())
+        node = f"node {place.hostname} ({place.node_ip or 'no Ray node'})"
         self.host = EngineHost(replica, HostLimits(self._options.max_queued_requests, self._options.traffic_record,
                                                    self._options.tuning_lease_s, self._options.config_poll_s),
-                               channel)
+                               channel, node)
         self.metrics = self.host.metrics
         self._relays = 0  # requests relayed from the ingress now in flight (their streams share the pace)
         self._peers: DeploymentHandle | None = None  # this deployment's handle, for /traffic (made on first use)
@@ -250,8 +271,23 @@ class LlamaServer(OpenAIRoutes):
     # -- control routes: they read state only, never take a slot or wait for the engine --------------
     @api.get("/slots", responses=ERROR_RESPONSES)
     async def slots(self) -> dict[str, Any]:
-        """Slots, queue, counters and the running config, like llama-server's /slots plus /props."""
-        return {"replica": self.host.replica, **self.ready_engine().stats(), "tuning": self.host.trials.state()}
+        """Slots, queue, counters and the running config, like llama-server's /slots plus /props; where this
+        replica runs (`node`), and every replica of the app (`replicas`: node, devices, health, config)."""
+        replicas, missing = await gather_replicas(self._peer_handle(), self.replica_summary())
+        return {"replica": self.host.replica, **self.ready_engine().stats(), "tuning": self.host.trials.state(),
+                "node": self.place(), "replicas": replicas, "replicas_missing": missing}
+
+    def place(self) -> dict[str, Any]:
+        """This replica's node, the GPUs Ray gave it and their memory now (serving/node.py)."""
+        return here(self.host.replica, _llama.gpu_offload_supported()).as_dict()
+
+    def replica_summary(self) -> dict[str, Any]:
+        """What /slots lists for this replica among all of them (Serve's broadcast asks every one)."""
+        engine = self.host.engine
+        return {"replica": self.host.replica, "node": self.place(), "health": self.host.health_report().body,
+                "config": engine.config.to_yaml_dict() if engine is not None else None,
+                "counters": engine.stats()["counters"] if engine is not None else {},
+                "load_error": self.host.load_error}
 
     @api.post("/slots/{slot_id}", responses=ERROR_RESPONSES)
     async def slot_action(self, slot_id: int, action: SlotAction, body: SlotFileBody | None = None
@@ -370,11 +406,54 @@ def _resolve(path: str | Path) -> Path:
 
 
 def _gpus_available() -> int:
-    """GPUs in the Ray cluster if connected, else on this machine (NVML); 0 means the CPU fallback."""
+    """GPUs in the Ray cluster the app will run on, else on this machine (NVML); 0 means the CPU fallback.
+
+    `serve run` builds the app before it connects to Ray, so when a cluster is already running (RAY_ADDRESS, or
+    one started on this machine with `ray start`), the builder connects to it briefly to count every node's
+    GPUs, not only this machine's; then it disconnects, and `serve run` connects as it always does."""
     import ray
 
     if ray.is_initialized():
         return int(ray.cluster_resources().get("GPU", 0))
+    counted = _running_cluster_gpus()
+    return counted if counted is not None else _local_gpus()
+
+
+def _running_cluster_gpus() -> int | None:
+    """The GPUs of an already running Ray cluster (RAY_ADDRESS, else the last `ray start` on this machine), or
+    None when none answers. A stale address (a cluster long gone) is ruled out by a quick TCP connect first, so
+    building the app never waits on Ray's own connect timeouts."""
+    import ray
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        address = canonicalize_bootstrap_address(os.environ.get("RAY_ADDRESS") or "auto")
+    except Exception:  # no address anywhere: `serve run` will start a local Ray
+        return None
+    if not address or not _answers(address):
+        return None
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    except Exception as exc:
+        log.warning("could not connect to the Ray cluster at %s to count its GPUs (%s); counting this machine's",
+                    address, exc)
+        return None
+    try:
+        return int(ray.cluster_resources().get("GPU", 0))
+    finally:
+        ray.shutdown()
+
+
+def _answers(address: str, timeout_s: float = 1.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _local_gpus() -> int:
     try:
         import pynvml
 
@@ -389,7 +468,8 @@ def _gpus_available() -> int:
 
 def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Application:
     """The Serve application for one engine config: the ingress with its HTTP rules bound, the engine
-    replicas (routing limits, resources), the config channel."""
+    replicas (routing limits, resources), the config channel. The ingress and the channel hold no model and
+    live on the head node: a cluster that loses another node keeps its front door and its config."""
     gpus = _gpus_available()
     replicas = options.num_replicas
     if replicas == "auto":
@@ -406,10 +486,13 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
         request_router_config={"request_router_class": ROUTER,
                                "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S},
     )
-    engines = deployment.bind(options.model_dump(), ConfigChannel.bind())  # type: ignore[attr-defined]
+    on_head = {"num_cpus": 0, "resources": {HEAD_NODE: 0.001}}  # the node a cluster never loses and keeps going
+    channel = ConfigChannel.options(ray_actor_options=on_head)  # type: ignore[attr-defined]
+    engines = deployment.bind(options.model_dump(), channel.bind())
     ingress = OpenAIIngress.options(  # type: ignore[attr-defined]
+        ray_actor_options=on_head,
         max_ongoing_requests=int(replicas) * options.max_ongoing_requests + options.control_headroom)
-    return ingress.bind(engines, HttpRules(options.api_key, tuple(options.cors_origins)))
+    return ingress.bind(engines, HttpRules(options.api_key, tuple(options.cors_origins)), int(replicas))
 
 
 def main(args: AppArgs) -> serve.Application:

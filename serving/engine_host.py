@@ -89,8 +89,8 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 class EngineHost:
     """One replica's engine, its config changes, its trials and its metrics."""
 
-    def __init__(self, replica: str, limits: HostLimits, channel: Any) -> None:
-        self.replica, self._limits = replica, limits
+    def __init__(self, replica: str, limits: HostLimits, channel: Any, node: str = "this machine") -> None:
+        self.replica, self._limits, self._node = replica, limits, node
         self.metrics = ReplicaMetrics(replica)
         self.engine: Engine | None = None  # None while loading, or after a failed load
         self._load_error: str | None = None  # for the operator (log, Serve, acks); clients see LOAD_FAILED
@@ -135,6 +135,9 @@ class EngineHost:
 
     def _load(self, config: EngineConfig) -> None:
         try:
+            if not config.model_path.is_file():  # a node of a cluster without the file: say which, and where
+                raise FileNotFoundError(f"the model file {config.model_path} is not on {self._node}: copy it there "
+                                        "(every node that runs a replica needs it at the same path)")
             engine = Engine(config, max_queued=self._limits.max_queued_requests,
                             traffic_limit=self._limits.traffic_record)
         except Exception as exc:  # reported by /health and every request, never a crash loop
@@ -216,6 +219,11 @@ class EngineHost:
         if self._loaded.is_set() and self._load_error:
             return HealthReport(503, {"status": "error", "error": LOAD_FAILED})
         return HealthReport(503, {"status": "loading"}, {"Retry-After": "2"})
+
+    @property
+    def load_error(self) -> str | None:
+        """Why the engine did not load (for the operator: /slots, the log, config acks), if it did not."""
+        return self._load_error
 
     def traffic_summary(self) -> TrafficSummary:
         engine = self.engine

@@ -1,10 +1,11 @@
 """The app's front door: a light deployment apart from the engine replicas (Ray Serve LLM's ingress /
 engine-host split) that takes every HTTP request.
 
-- `/health` is answered here, from what an engine replica last said (asked every 0.5 s in the background):
-  it answers at once even while the only engine replica is dead or restarting (then 503), where Serve's
-  proxy would hold a request for that replica until a new one exists, and while the engine replica's event
-  loop is busy with a flood of requests.
+- `/health` is answered here, from what every engine replica last said (all asked at once every 0.5 s in the
+  background): ok, `degraded` when some replicas do not serve (a lost node: requests go to the others), or
+  503 when none does. It answers at once even while the only engine replica is dead or restarting, where
+  Serve's proxy would hold a request for that replica until a new one exists, and while an engine replica's
+  event loop is busy with a flood of requests.
 - The HTTP rules are kept here, bound when the app is built (serving/http.py's HttpRules): CORS, the API
   key, the body limit. Every request that passes them is relayed to an engine replica (serving/relay.py),
   whose own app answers it; CORS wraps the relayed answer and every refusal alike, so a browser can read
@@ -55,6 +56,41 @@ class HealthReport:
 
 NO_REPLICA = HealthReport(503, {"status": "unavailable", "error": "no engine replica is up; one is starting"},
                           {"Retry-After": "1"})
+DEGRADED = "degraded"
+
+
+def combined(answers: list[HealthReport | BaseException], expected: int = 1) -> HealthReport:
+    """One /health for the app from every engine replica's answer (an exception: that replica was lost or did
+    not answer) and the replicas the app was built with. All of them well: ok. Some well: 200 `degraded`,
+    saying how many of how many serve (requests go to those that do; Serve starts the others again where it
+    can, e.g. when a lost node comes back). None well: the first replica's own answer (loading, failed), or
+    NO_REPLICA if none answered."""
+    reports = [a for a in answers if isinstance(a, HealthReport)]
+    well = sum(r.status == 200 for r in reports)
+    wanted = max(expected, len(answers))
+    if well and well == wanted:
+        return HealthReport(200, {"status": "ok", "replicas": well})
+    if well:
+        return HealthReport(200, {"status": DEGRADED, "replicas": wanted, "replicas_serving": well})
+    return reports[0] if reports else NO_REPLICA
+
+
+class HealthOfAll:
+    """One question to every engine replica at once (Serve's broadcast); awaited, the combined answer."""
+
+    def __init__(self, engines: DeploymentHandle, expected: int) -> None:
+        self._response = engines.broadcast("health_report")
+        self._expected = expected
+
+    def __await__(self) -> Any:
+        return self._combined().__await__()
+
+    async def _combined(self) -> HealthReport:
+        answers = await self._response.results_async(timeout_s=ASK_DEADLINE_S, return_exceptions=True)
+        return combined(list(answers), self._expected)
+
+    def cancel(self) -> None:
+        """Nothing to stop: the broadcast ends within its own deadline."""
 
 
 class HealthWatch:
@@ -98,10 +134,12 @@ class HealthWatch:
 class OpenAIIngress:
     """Takes every HTTP request of the app; holds no model, so it is never the one that is down."""
 
-    async def __init__(self, engines: DeploymentHandle, rules: HttpRules | None = None) -> None:  # type: ignore[misc]
-        """Async, as Serve allows: the health watch starts on the replica's own event loop."""
+    async def __init__(self, engines: DeploymentHandle, rules: HttpRules | None = None,  # type: ignore[misc]
+                       replicas: int = 1) -> None:
+        """Async, as Serve allows: the health watch starts on the replica's own event loop. `replicas`: the
+        engine replicas the app was built with (fewer serving is `degraded`)."""
         self._streaming = engines.options(stream=True)
-        self._health = HealthWatch(engines.health_report.remote)
+        self._health = HealthWatch(lambda: HealthOfAll(engines, replicas))
         self._watch = asyncio.get_running_loop().create_task(self._health.run(), name="health-watch")
         self._front = (rules or HttpRules()).around(self._answer)
 

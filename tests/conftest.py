@@ -25,7 +25,7 @@ import pytest
 if TYPE_CHECKING:
     from serving.engine import Engine
 
-LANES = ("unit", "engine", "serve")
+LANES = ("unit", "engine", "serve", "cluster")
 HEAVY = ("ray", "llama_cpp")  # what collecting, and the unit lane, never imports (seconds each on 2 cores)
 RAY_FIXTURES = frozenset({"ray_session", "serve_url", "client", "model"})
 _HEAVY_BEFORE = pytest.StashKey[frozenset[str]]()

@@ -327,3 +327,23 @@ def test_health_is_what_a_replica_last_said_until_it_goes_stale(monkeypatch: pyt
     assert watch.report() == ok
     watch.lost()  # a relayed request saw the replica die
     assert watch.report() == NO_REPLICA
+
+
+def test_health_of_every_replica_is_ok_degraded_or_the_replicas_own_answer() -> None:
+    """/health over several engine replicas (a cluster): all serving is ok; some is `degraded`, 200, with the
+    counts, also while a lost replica is not yet back (fewer answers than the app was built with); none serving
+    is the replicas' own answer, or unavailable when none answered."""
+    from ray.exceptions import ActorDiedError
+
+    from serving.ingress import DEGRADED, NO_REPLICA, HealthReport, combined
+
+    ok = HealthReport(200, {"status": "ok"})
+    loading = HealthReport(503, {"status": "loading"}, {"Retry-After": "2"})
+    assert combined([ok, ok], expected=2) == HealthReport(200, {"status": "ok", "replicas": 2})
+    assert combined([ok, ActorDiedError()], expected=2).body == {"status": DEGRADED, "replicas": 2,
+                                                                 "replicas_serving": 1}
+    assert combined([ok, loading], expected=2).body["status"] == DEGRADED
+    lost = combined([ok], expected=2)  # Serve dropped the dead replica; its node is not back yet
+    assert lost.status == 200 and lost.body == {"status": DEGRADED, "replicas": 2, "replicas_serving": 1}
+    assert combined([loading, ActorDiedError()], expected=2) == loading
+    assert combined([], expected=2) == NO_REPLICA and combined([TimeoutError()], expected=1) == NO_REPLICA

@@ -20,6 +20,7 @@ from ray.tune import Callback
 
 from serving.config import EngineConfig
 from serving.control import DEPLOYMENT_NAME
+from serving.node import ReplicaPlace
 from serving.traffic import TrafficSummary
 from serving.trials import TrialRun
 from tuning.objective import InPlaceMeasure, SpeedMeasure
@@ -38,6 +39,18 @@ class ServingApp:
     name: str
     replicas: int
     serving: EngineConfig  # what the replicas serve now: the study's base, and what an interruption restores
+    places: tuple[ReplicaPlace, ...] = ()  # each replica's node and GPUs, as it reads them on its node
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the replicas' engines put layers on a GPU (every one must: one study, one device kind)."""
+        return bool(self.places) and all(p.offload for p in self.places)
+
+    @property
+    def gpu_memory_total(self) -> int | None:
+        """The smallest GPU any replica has (a pick must fit every one), None where one has none."""
+        totals = [p.gpu_memory_total for p in self.places]
+        return min(totals) if totals and None not in totals else None  # type: ignore[type-var]
 
 
 def find_serving_app(app_name: str | None) -> ServingApp | None:
@@ -55,7 +68,8 @@ def find_serving_app(app_name: str | None) -> ServingApp | None:
     replicas = apps[app_name].deployments[DEPLOYMENT_NAME].replica_states.get(ReplicaState.RUNNING, 0)
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name)
     serving = EngineConfig(**handle.served_config.remote().result(timeout_s=120))
-    return ServingApp(app_name, int(replicas), serving)
+    places = tuple(ReplicaPlace.from_dict(p) for p in handle.broadcast("place").results(timeout_s=60))
+    return ServingApp(app_name, int(replicas), serving, places)
 
 
 class ReplicaTrial(ConfigTrial):

@@ -142,13 +142,14 @@ def serving_app(opts: SearchOptions, find: Callable[[str | None], ServingApp | N
     return app
 
 
-def choose_device(opts: SearchOptions, total: int, free: int, in_place: bool = False) -> bool:
+def choose_device(opts: SearchOptions, total: int, free: int, app: ServingApp | None = None) -> bool:
     """True for GPU trials. A GPU cluster whose GPUs are all taken is an error, not a silent CPU run
-    (unless the trials run in place, on the replicas that hold them)."""
+    (unless the trials run in place, on the replicas that hold them: then the replicas say whether their
+    engines have a GPU, each read on its own node)."""
     if opts.device is DeviceChoice.cpu:
         return False
-    if in_place:
-        return total > 0
+    if app is not None:
+        return app.on_gpu
     if total == 0:
         if opts.device is DeviceChoice.gpu:
             raise UserError("--device gpu, but the Ray cluster has no GPU")
@@ -170,14 +171,14 @@ def ram_budget_bytes(opts: SearchOptions) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 3 // 4
 
 
-def budget_bytes(opts: SearchOptions, on_gpu: bool) -> int:
+def budget_bytes(opts: SearchOptions, on_gpu: bool, app: ServingApp | None = None) -> int:
     if opts.vram_budget:
         try:
             return parse_bytes(opts.vram_budget)
         except ValueError as exc:
             raise UserError(str(exc)) from exc
     if on_gpu:
-        total = gpu_memory_total()
+        total = app.gpu_memory_total if app is not None else gpu_memory_total()
         if total is None:
             raise UserError("cannot read the GPU's memory size (NVML): pass --vram-budget")
         return total - GPU_MARGIN
@@ -556,8 +557,8 @@ def run(opts: SearchOptions, session: Session) -> int:
         contexts = space.contexts(min_ctx)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    on_gpu = choose_device(opts, total, free, in_place=app is not None)
-    budget = budget_bytes(opts, on_gpu)
+    on_gpu = choose_device(opts, total, free, app)
+    budget = budget_bytes(opts, on_gpu, app)
     check_possible(shape, base, space, contexts[0], budget, on_gpu)
     placement = placement_search(shape, base, budget, on_gpu, space, contexts[0])
     # in place measures other conditions (live replicas, the whole device's memory): a study of its own

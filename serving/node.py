@@ -1,0 +1,100 @@
+"""Where an engine replica runs: its Ray node, the GPUs Ray gave it (CUDA_VISIBLE_DEVICES) and their memory, read
+with NVML on that node. /slots lists it for every replica, and the in-place tuner takes its memory budget from
+it, so nothing has to guess about GPUs it cannot see from where it runs (another node of the cluster)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One GPU as NVML sees it on the replica's node."""
+
+    index: int
+    name: str
+    total_bytes: int
+    used_bytes: int
+
+
+@dataclass(frozen=True)
+class ReplicaPlace:
+    """A replica's node and devices, and whether its engine can put layers on a GPU (a CUDA build and a GPU)."""
+
+    replica: str
+    node_id: str
+    node_ip: str
+    hostname: str
+    visible_devices: str | None  # CUDA_VISIBLE_DEVICES as Ray set it for this replica (None: not set)
+    gpus: tuple[DeviceMemory, ...]
+    offload: bool
+
+    @property
+    def gpu_memory_total(self) -> int | None:
+        """The smallest of the replica's GPUs (what one engine can use), None without a GPU."""
+        return min((g.total_bytes for g in self.gpus), default=None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "gpu_memory_total": self.gpu_memory_total}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplicaPlace:
+        fields = {k: v for k, v in data.items() if k != "gpu_memory_total"}
+        return cls(**{**fields, "gpus": tuple(DeviceMemory(**g) for g in data.get("gpus", ()))})
+
+
+def here(replica: str, offload_built: bool) -> ReplicaPlace:
+    """This process's place: the Ray node (if Ray runs it), its visible GPUs by NVML (none where NVML cannot be
+    read: no driver, or a CPU-only node), and whether layers can go to one (`offload_built`: the build can)."""
+    node_id, node_ip = _ray_node()
+    gpus = _visible_gpus(os.environ.get(VISIBLE_DEVICES))
+    return ReplicaPlace(replica=replica, node_id=node_id, node_ip=node_ip, hostname=socket.gethostname(),
+                        visible_devices=os.environ.get(VISIBLE_DEVICES), gpus=gpus,
+                        offload=offload_built and bool(gpus))
+
+
+def _ray_node() -> tuple[str, str]:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (a test's engine host): no node
+        pass
+    return "", ""
+
+
+def _visible_gpus(visible: str | None) -> tuple[DeviceMemory, ...]:
+    """NVML's view of the GPUs this process may use: CUDA_VISIBLE_DEVICES's indices (all when unset; none
+    when it is empty), as numbers or UUIDs."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return ()
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        wanted = None if visible is None else [v.strip() for v in visible.split(",") if v.strip()]
+        found = []
+        for index, handle in enumerate(handles):
+            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+            if wanted is not None and str(index) not in wanted and uuid not in wanted:
+                continue
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            found.append(DeviceMemory(index, _text(pynvml.nvmlDeviceGetName(handle)), int(memory.total),
+                                      int(memory.used)))
+        return tuple(found)
+    except Exception:
+        return ()
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,156 @@
+"""Beyond one machine: a Ray cluster of two nodes on this one (a head and a second raylet, each declaring one GPU,
+measure/cluster.py), and the app as a user runs it there: `serve run` of the shipped config with
+num_replicas=auto puts one engine replica on each node; /health and /slots see both; requests reach both; a
+missing model file is an error that names the node and the path; an in-place study runs over both; a node
+lost under load costs no hang and comes back with the current config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from measure.cluster import ClusterApp, all_serving
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[1]  # the tuner runs from the repository, as a user runs it
+APP_ARGS = {"config": "configs/default.yaml", "num_replicas": "auto", "n_parallel": 1, "n_ctx": 1024,
+            "cpus_per_replica": 0.5, "config_poll_s": 0.2}
+READY_S = 300.0
+
+
+class App(ClusterApp):
+    """The app on the cluster, with what the tests send it."""
+
+    def __init__(self, cluster: Any, tmp: Path, port: int | None = None, **args: Any) -> None:
+        super().__init__(cluster, tmp, {**APP_ARGS, **args}, port)
+
+    def complete(self, timeout_s: float = 120.0) -> httpx.Response:
+        return httpx.post(f"{self.url}/v1/completions", json={"prompt": "Count: 1 2 3", "max_tokens": 8},
+                          timeout=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from measure.cluster import LocalCluster
+
+    two = LocalCluster.start(gpus_per_node=1, cpus_per_node=2, workers=1)
+    try:
+        yield two
+    finally:
+        two.stop()
+
+
+@pytest.fixture(scope="module")
+def app(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
+    served = App(cluster, tmp_path_factory.mktemp("cluster"))
+    try:
+        served.wait(all_serving(2), "two replicas serving", READY_S)
+        yield served
+    finally:
+        served.stop()
+
+
+def _by_node(slots: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["node"]["node_id"]: r for r in slots["replicas"]}
+
+
+def test_one_replica_per_node_and_both_seen_and_served(app: App) -> None:
+    slots = app.slots()
+    replicas = _by_node(slots)
+    assert len(replicas) == 2 and slots["replicas_missing"] == 0, slots["replicas"]
+    for replica in replicas.values():
+        assert replica["health"]["status"] == "ok" and replica["load_error"] is None
+        assert replica["node"]["visible_devices"] == "0"  # the one GPU Ray gave it on its node
+        assert replica["config"]["n_parallel"] == 1 and replica["config"]["n_ctx"] == 1024
+    for _ in range(16):
+        resp = app.complete()
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] is not None, resp.text
+    served = {node: r["counters"].get("requests_finished", 0) for node, r in _by_node(app.slots()).items()}
+    assert all(n > 0 for n in served.values()), f"requests reached only some replicas: {served}"
+
+
+def test_the_in_place_study_runs_over_both_nodes_and_writes_the_pick_to_both(app: App, cluster: Any,
+                                                                            tmp_path: Path) -> None:
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"n_parallel": [1, 2], "n_batch": [256], "n_ubatch": [256],
+                                     "ctx_per_slot": [512], "type_k": ["f16"], "type_v": ["f16"],
+                                     "flash_attn": ["on"]}))
+    result = subprocess.run(
+        ["python", "-m", "tuning.search", "--in-place", "--trials", "2", "--app-name", "llama", "--space", str(space),
+         "--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "512", "--confirm-rounds", "0",
+         "--results-dir", str(tmp_path), "--out", str(tmp_path / "tuned.yaml"), "--study-name", "cluster",
+         "--workload", "benchmark"],
+        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = (tmp_path / "cluster" / "report.md").read_text()
+    assert "in place, on app 'llama'" in report and "- device: CPU" in report, report[:2000]
+    assert "cannot read the GPU's memory size" not in result.stdout + result.stderr
+    configs = {json.dumps(r["config"], sort_keys=True) for r in app.slots()["replicas"]}
+    assert len(configs) == 1, "every replica serves the same config after the study"
+
+
+def test_a_node_lost_under_load_costs_no_hang_and_comes_back_with_the_current_config(app: App,
+                                                                                      cluster: Any) -> None:
+    outcomes: list[int | str] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                resp = app.complete(timeout_s=60)
+                if resp.status_code != 200:
+                    assert resp.json()["error"]["message"], resp.text  # OpenAI's error JSON, never a bare 500
+                outcomes.append(resp.status_code)
+            except httpx.TimeoutException:
+                outcomes.append("timeout")
+
+    before = {json.dumps(r["config"], sort_keys=True) for r in app.slots()["replicas"]}
+    worker = threading.Thread(target=client, daemon=True)
+    worker.start()
+    time.sleep(3)
+    lost = cluster.nodes[-1]
+    cluster.kill_node(lost)
+    degraded = app.wait(lambda h: h.get("status") == "degraded", "degraded health", 60)
+    assert degraded["replicas"] == 2 and degraded["replicas_serving"] == 1
+    time.sleep(5)
+    assert app.complete().status_code == 200  # the surviving replica serves
+    cluster.add_node(gpus=1, cpus=2)
+    t0 = time.monotonic()
+    app.wait(all_serving(2), "the replica back", 240)
+    recovered_s = time.monotonic() - t0
+    stop.set()
+    worker.join(timeout=120)
+    assert "timeout" not in outcomes and outcomes.count(200) > 0, outcomes
+    after = {json.dumps(r["config"], sort_keys=True) for r in app.slots()["replicas"]}
+    assert after == before, "the replica that came back serves the config the others serve"
+    print(f"node loss: {len(outcomes)} requests, {sum(o != 200 for o in outcomes)} failed; "
+          f"back {recovered_s:.0f} s after the node rejoined")
+
+
+def test_a_node_without_the_model_file_says_which_node_and_which_path(app: App, cluster: Any,
+                                                                      tmp_path: Path) -> None:
+    """Last: it replaces the module's app (the same name and port) with one whose model is nowhere."""
+    missing = tmp_path / "nowhere" / "model.gguf"
+    broken = App(cluster, tmp_path, port=app.port, model=str(missing))
+    try:
+        health = broken.wait(lambda h: h.get("status") == "error", "the load error", READY_S)
+        assert "failed to load" in health["error"]
+        deadline = time.monotonic() + 60
+        while str(missing) not in broken.log.read_text() and time.monotonic() < deadline:
+            time.sleep(1)
+        log = broken.log.read_text()
+        assert f"the model file {missing} is not on node" in log, log[-3000:]
+        resp = broken.complete(timeout_s=30)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "model_load_failed"
+    finally:
+        broken.stop()
