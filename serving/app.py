@@ -47,7 +47,7 @@ from serving.engine_host import EngineHost, HostLimits
 from serving.errors import EngineError
 from serving.http import HttpRules
 from serving.ingress import HealthReport, OpenAIIngress
-from serving.metrics import CONTENT_TYPE, ReplicaMetrics
+from serving.metrics import CONTENT_TYPE, ReplicaMetrics, merge_expositions
 from serving.node import here
 from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api
 from serving.relay import RelayedPart, RelayedRequest, run_relayed
@@ -329,7 +329,22 @@ class LlamaServer(OpenAIRoutes):
 
     @api.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
     async def prometheus(self) -> Response:
-        """Prometheus text exposition of this replica's metrics (queue and slot gauges read now)."""
+        """Prometheus text exposition of every replica's metrics (each labelled with its replica; queue and slot
+        gauges read now); a replica that does not answer in time is left out, this one never."""
+        peers, answers = self._peer_handle(), []
+        if peers is not None:
+            try:
+                answers = await peers.broadcast("metrics_text").results_async(timeout_s=TRAFFIC_DEADLINE_S,
+                                                                              return_exceptions=True)
+            except Exception:  # no replica listed yet: this one's alone
+                answers = []
+        texts = [a for a in answers if isinstance(a, str)]
+        if not any(f'replica="{self.host.replica}"' in text for text in texts):
+            texts.append(self.metrics_text())
+        return Response(merge_expositions(texts), media_type=CONTENT_TYPE)
+
+    def metrics_text(self) -> str:
+        """This replica's Prometheus text, its gauges refreshed from the engine now."""
         engine, stats = self.host.engine, None
         if engine is not None:
             try:
@@ -337,7 +352,7 @@ class LlamaServer(OpenAIRoutes):
                 self.host.record_shapes(engine)
             except Exception:
                 log.warning("reading the engine's stats for /metrics failed", exc_info=True)
-        return Response(self.metrics.exposition(stats), media_type=CONTENT_TYPE)
+        return self.metrics.exposition(stats).decode()
 
     @api.get("/traffic", responses=ERROR_RESPONSES)
     async def traffic(self, recent: Annotated[int | None, Query(ge=0, description="list only the latest this "

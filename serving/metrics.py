@@ -1,11 +1,11 @@
-"""Metrics of one replica, in two sinks: Prometheus text on the replica's own `/metrics`, and
-`ray.serve.metrics` (exported by Ray's metrics agent on every node).
+"""Metrics of one replica, in two sinks: Prometheus text on `/metrics`, and `ray.serve.metrics` (exported by
+Ray's metrics agent on every node).
 
-Both stay because they answer different questions. `/metrics` reached through Serve's proxy is one
-replica's view (whichever the router picked), which is what a single-replica server, a debugging session
-or a llama-server-style scraper wants. The Ray export is the cluster-wide path: the agent on each node
-exports every replica's series with Serve's deployment/replica tags, so a Prometheus that scrapes the
-agents sees all replicas, and none goes missing between scrapes.
+Both stay because they answer different questions. `/metrics` answers with every replica's series (each
+labelled with its replica; the replica that takes the scrape asks the others, `merge_expositions` joins
+them), which is what a llama-server-style scraper of the app's one address wants. The Ray export is the
+cluster-wide path that needs no replica to answer: the agent on each node exports every replica's series with
+Serve's deployment/replica tags, so a Prometheus that scrapes the agents misses none between scrapes.
 
 Counters and TTFT are recorded as requests finish (once per request, never per token). The per-request
 token histograms (vLLM's request_prompt_tokens / request_generation_tokens / request_params_n) come from the
@@ -225,3 +225,24 @@ class ReplicaMetrics:
         if stats is not None:
             self.record_snapshot(stats)
         return prom.generate_latest(self.registry)
+
+
+def merge_expositions(texts: list[str]) -> str:
+    """Several replicas' Prometheus text as one: each metric family's HELP and TYPE once, then every replica's
+    samples of it (their `replica` labels keep them apart), families in the order first seen."""
+    families: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for text in texts:
+        family = ""
+        for line in text.splitlines():
+            if line.startswith(("# HELP ", "# TYPE ")):
+                family = line.split()[2]
+                families.setdefault(family, [])
+                if line not in families[family]:
+                    families[family].append(line)
+            elif line.strip():
+                samples.setdefault(family, []).append(line)
+    out = []
+    for family, head in families.items():
+        out += head + samples.get(family, [])
+    return "\n".join(out) + "\n"

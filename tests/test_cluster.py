@@ -79,6 +79,12 @@ def test_one_replica_per_node_and_both_seen_and_served(app: App) -> None:
     assert all(n > 0 for n in served.values()), f"requests reached only some replicas: {served}"
 
 
+def test_metrics_show_every_replica(app: App) -> None:
+    replicas = [r["replica"] for r in app.slots()["replicas"]]
+    text = httpx.get(f"{app.url}/metrics", timeout=30).text
+    assert all(f'replica="{r}"' in text for r in replicas), replicas
+    assert text.count("# TYPE llm_generated_tokens_total counter") <= 1 and text.count("# HELP llm_requests ") == 1
+
 def test_the_in_place_study_runs_over_both_nodes_and_writes_the_pick_to_both(app: App, cluster: Any,
                                                                             tmp_path: Path) -> None:
     space = tmp_path / "space.yaml"
@@ -154,3 +160,4 @@ def test_a_node_without_the_model_file_says_which_node_and_which_path(app: App, 
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "model_load_failed"
     finally:
         broken.stop()
+
