@@ -83,7 +83,8 @@ def test_metrics_show_every_replica(app: App) -> None:
     replicas = [r["replica"] for r in app.slots()["replicas"]]
     text = httpx.get(f"{app.url}/metrics", timeout=30).text
     assert all(f'replica="{r}"' in text for r in replicas), replicas
-    assert text.count("# TYPE llm_generated_tokens_total counter") <= 1 and text.count("# HELP llm_requests ") == 1
+    for family in ("llm_generated_tokens_total", "llm_requests_total"):  # each family's HELP and TYPE once
+        assert text.count(f"# HELP {family} ") == 1 and text.count(f"# TYPE {family} ") == 1, family
 
 def test_the_in_place_study_runs_over_both_nodes_and_writes_the_pick_to_both(app: App, cluster: Any,
                                                                             tmp_path: Path) -> None:
