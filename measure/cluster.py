@@ -37,6 +37,7 @@ class LocalCluster:
     port: int
     ip: str
     nodes: list[str] = field(default_factory=list)
+    dashboard_port: int | None = None  # the head's dashboard (what `serve deploy` talks to), when started
 
     @property
     def address(self) -> str:
@@ -45,16 +46,22 @@ class LocalCluster:
     @property
     def env(self) -> dict[str, str]:
         """What a client of this cluster (`serve run`, the tuner, the soak) runs with."""
+        dashboard = {"RAY_DASHBOARD_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"} if self.dashboard_port else {}
         return {**os.environ, "RAY_TMPDIR": str(self.temp_dir), "RAY_AUTH_MODE": "token",
-                "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0"}
+                "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0", **dashboard}
 
     @classmethod
-    def start(cls, gpus_per_node: int = 1, cpus_per_node: int = 2, workers: int = 1) -> LocalCluster:
-        """A head and `workers` more nodes; each node has a resource named after it (`node_a`, `node_b`, ...)."""
+    def start(cls, gpus_per_node: int = 1, cpus_per_node: int = 2, workers: int = 1,
+              dashboard: bool = False) -> LocalCluster:
+        """A head and `workers` more nodes; each node has a resource named after it (`node_a`, `node_b`, ...).
+        With `dashboard`, the head runs Ray's dashboard, which `serve deploy` needs (~250 MB more)."""
         temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # short: Ray's socket paths are length-limited
-        cluster = cls(temp, _free_port(), _node_ip())
-        cluster._ray_start(["--head", f"--port={cluster.port}", "--include-dashboard=false"], gpus_per_node,
-                           cpus_per_node)
+        cluster = cls(temp, _free_port(), _node_ip(), dashboard_port=_free_port() if dashboard else None)
+        board = ["--include-dashboard=false"]
+        if dashboard:
+            board = ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                     f"--dashboard-port={cluster.dashboard_port}"]
+        cluster._ray_start(["--head", f"--port={cluster.port}", *board], gpus_per_node, cpus_per_node)
         for _ in range(workers):
             cluster.add_node(gpus_per_node, cpus_per_node)
         return cluster

@@ -43,7 +43,7 @@ class App(ClusterApp):
 def cluster() -> Iterator[Any]:
     from measure.cluster import LocalCluster
 
-    two = LocalCluster.start(gpus_per_node=1, cpus_per_node=2, workers=1)
+    two = LocalCluster.start(gpus_per_node=1, cpus_per_node=2, workers=1, dashboard=True)  # serve deploy needs it
     try:
         yield two
     finally:
@@ -85,6 +85,33 @@ def test_metrics_show_every_replica(app: App) -> None:
     assert all(f'replica="{r}"' in text for r in replicas), replicas
     for family in ("llm_generated_tokens_total", "llm_requests_total"):  # each family's HELP and TYPE once
         assert text.count(f"# HELP {family} ") == 1 and text.count(f"# TYPE {family} ") == 1, family
+
+def test_serve_deploy_of_the_shipped_config_updates_both_replicas_in_place(app: App, cluster: Any,
+                                                                            tmp_path: Path) -> None:
+    """`serve deploy` of configs/serve.yaml (as app's, with n_parallel 2) on the running cluster: a replica on
+    each node still, both now with two slots."""
+    shipped = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
+    shipped["http_options"]["port"] = app.port
+    shipped["proxy_location"] = "HeadOnly"
+    shipped["applications"][0]["args"] = {**APP_ARGS, "n_parallel": 2, "n_ctx": 2048}
+    config = tmp_path / "deploy.yaml"
+    config.write_text(yaml.safe_dump(shipped))
+    result = subprocess.run(["serve", "deploy", str(config)], cwd=REPO, env=cluster.env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    deadline = time.monotonic() + READY_S
+    replicas: dict[str, dict[str, Any]] = {}
+    while time.monotonic() < deadline:
+        try:
+            replicas = _by_node(app.slots())
+        except httpx.HTTPError:
+            replicas = {}
+        if len(replicas) == 2 and all((r["config"] or {}).get("n_parallel") == 2 for r in replicas.values()):
+            break
+        time.sleep(2)
+    assert len(replicas) == 2 and all(r["config"]["n_parallel"] == 2 for r in replicas.values()), replicas
+    assert app.complete().status_code == 200
+
 
 def test_the_in_place_study_runs_over_both_nodes_and_writes_the_pick_to_both(app: App, cluster: Any,
                                                                             tmp_path: Path) -> None:
