@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from measure.targets import free_loopback_port
 
 START_TIMEOUT_S = 180.0
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +57,8 @@ class LocalCluster:
         """A head and `workers` more nodes; each node has a resource named after it (`node_a`, `node_b`, ...).
         With `dashboard`, the head runs Ray's dashboard, which `serve deploy` needs (~250 MB more)."""
         temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # short: Ray's socket paths are length-limited
-        cluster = cls(temp, _free_port(), _node_ip(), dashboard_port=_free_port() if dashboard else None)
+        board_port = free_loopback_port() if dashboard else None
+        cluster = cls(temp, free_loopback_port(), _node_ip(), dashboard_port=board_port)
         board = ["--include-dashboard=false"]
         if dashboard:
             board = ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
@@ -114,7 +116,7 @@ class ClusterApp:
 
     def __init__(self, cluster: LocalCluster, work_dir: Path, args: dict[str, Any], port: int | None = None) -> None:
         shipped = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
-        self.port = port or _free_port()
+        self.port = port or free_loopback_port()
         shipped["http_options"]["port"] = self.port
         # every node of this cluster is this machine: their proxies would all listen on the one port, the kernel
         # would spread connections over them, and a lost node would take its proxy's connections with it. On
@@ -178,12 +180,6 @@ def _processes() -> list[tuple[int, str]]:
             continue
         found.append((int(entry.name), args))
     return found
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _node_ip() -> str:

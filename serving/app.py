@@ -340,11 +340,12 @@ class LlamaServer(OpenAIRoutes):
                 answers = []
         texts = [a for a in answers if isinstance(a, str)]
         if not any(f'replica="{self.host.replica}"' in text for text in texts):
-            texts.append(self.metrics_text())
+            texts.append(await self.metrics_text())
         return Response(merge_expositions(texts), media_type=CONTENT_TYPE)
 
-    def metrics_text(self) -> str:
-        """This replica's Prometheus text, its gauges refreshed from the engine now."""
+    async def metrics_text(self) -> str:
+        """This replica's Prometheus text, its gauges refreshed from the engine now. Async, so a broadcast runs
+        it on the replica's event loop, the one writer of the shapes the metrics took (`record_shapes`)."""
         engine, stats = self.host.engine, None
         if engine is not None:
             try:

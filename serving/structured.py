@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -93,15 +94,12 @@ def closed(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object that does not say otherwise: an answer
     holds the properties the schema lists, as llama.cpp's schema-to-grammar converter reads a schema (JSON
     Schema itself would allow any others, and a small model then invents one and rambles in it)."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in _VALUES else ({n: closed(sub) for n, sub in v.items()} if k in _SCHEMA_MAPS
-                                      and isinstance(v, dict) else closed(v)) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+    def close(out: dict[str, Any]) -> dict[str, Any]:
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+
+    return _each_schema(schema, close)
 
 
 @dataclass(frozen=True)
@@ -127,26 +125,30 @@ def bounded(schema: Any, bounds: Bounds) -> Any:
     JSON unfinished, which a small model does (greedy, it repeats itself inside a string). Bounded, an
     answer whose schema is all bounded closes on its own, within max_tokens when they allow its size.
     """
+    def bound(out: dict[str, Any]) -> dict[str, Any]:
+        kind = out.get("type")
+        kinds = kind if isinstance(kind, list) else [kind]
+        if "string" in kinds and not {"enum", "const", "pattern", "format", "maxLength"} & out.keys():
+            out["maxLength"] = max(bounds.string, _int(out.get("minLength")))
+        if "array" in kinds and "maxItems" not in out:
+            out["maxItems"] = max(bounds.items, _int(out.get("minItems")))
+        return out
+
+    return _each_schema(schema, bound)
+
+
+def _each_schema(schema: Any, change: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """A copy of `schema` with `change` applied to every schema object in it, innermost first; JSON values
+    (enum, const, default, examples) are left as they are, and in a map of names to schemas (properties,
+    $defs, ...) a name is never taken for a keyword (a property may be named "enum")."""
     if isinstance(schema, list):
-        return [bounded(s, bounds) for s in schema]
+        return [_each_schema(s, change) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _bounded_member(k, v, bounds) for k, v in schema.items()}
-    kind = out.get("type")
-    kinds = kind if isinstance(kind, list) else [kind]
-    if "string" in kinds and not {"enum", "const", "pattern", "format", "maxLength"} & out.keys():
-        out["maxLength"] = max(bounds.string, _int(out.get("minLength")))
-    if "array" in kinds and "maxItems" not in out:
-        out["maxItems"] = max(bounds.items, _int(out.get("minItems")))
-    return out
-
-
-def _bounded_member(key: str, value: Any, bounds: Bounds) -> Any:
-    if key in _VALUES:
-        return value
-    if key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: a property may be named "enum"
-        return {name: bounded(sub, bounds) for name, sub in value.items()}
-    return bounded(value, bounds)
+    out = {k: v if k in _VALUES else ({n: _each_schema(sub, change) for n, sub in v.items()}
+                                      if k in _SCHEMA_MAPS and isinstance(v, dict) else _each_schema(v, change))
+           for k, v in schema.items()}
+    return change(out)
 
 
 def _int(value: Any) -> int:
