@@ -157,11 +157,14 @@ class ClusterApp:
         return dict(resp.json())
 
     def stop(self) -> None:
-        self.proc.terminate()
+        """As a user stops `serve run`, with Ctrl-C: it shuts Serve down, so the replicas give their GPUs back (a
+        SIGTERM would leave the app running on the cluster); then harder if it does not end."""
+        self.proc.send_signal(signal.SIGINT)
         try:
-            self.proc.wait(timeout=60)
+            self.proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(timeout=30)
 
 
 def all_serving(replicas: int) -> Callable[[dict[str, Any]], bool]:

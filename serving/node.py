@@ -48,6 +48,31 @@ class ReplicaPlace:
         return cls(**{**fields, "gpus": tuple(DeviceMemory(**g) for g in data.get("gpus", ()))})
 
 
+class Placed:
+    """What the places of a study's engines say (a serving app's replicas, offline trials' GPUs): the device kind,
+    and the GPU a pick must fit. Subclasses hold `places`."""
+
+    places: tuple[ReplicaPlace, ...]
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether every engine puts layers on a GPU (one study, one device kind)."""
+        return bool(self.places) and all(p.offload for p in self.places)
+
+    @property
+    def gpu_memory_total(self) -> int | None:
+        """The smallest GPU over the places (a pick must fit every one), None where one has none."""
+        totals = [p.gpu_memory_total for p in self.places]
+        return min(totals) if totals and None not in totals else None  # type: ignore[type-var]
+
+
+def node_label() -> str:
+    """Where this process runs, for a trial's record: the host name, and the Ray node's id (its first 8 hex
+    digits) when Ray runs it: two nodes may share a host name (or a machine)."""
+    node_id, _ = _ray_node()
+    return f"{socket.gethostname()}/{node_id[:8]}" if node_id else socket.gethostname()
+
+
 def here(replica: str, offload_built: bool) -> ReplicaPlace:
     """This process's place: the Ray node (if Ray runs it), its visible GPUs by NVML (none where NVML cannot be
     read: no driver, or a CPU-only node), and whether layers can go to one (`offload_built`: the build can)."""

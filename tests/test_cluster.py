@@ -189,3 +189,43 @@ def test_a_node_without_the_model_file_says_which_node_and_which_path(app: App, 
     finally:
         broken.stop()
 
+
+
+def test_offline_trials_run_one_per_gpu_across_the_nodes_each_measured_on_its_own(cluster: Any,
+                                                                                 tmp_path: Path) -> None:
+    """After the apps above are gone (their GPUs free again): an offline study takes every free GPU, read on its
+    node; the nodes' engines cannot offload (a CPU build, no GPU), so CPU trials run, one per declared GPU, two at
+    a time, one on each node, as the serving replicas do."""
+    _wait_for_free_gpus(cluster, 2)
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"n_parallel": [1, 2], "n_batch": [256], "n_ubatch": [256],
+                                     "ctx_per_slot": [512], "type_k": ["f16"], "type_v": ["f16"],
+                                     "flash_attn": ["on"]}))
+    base = tmp_path / "base.yaml"  # two engines on this machine's two cores: one thread each
+    base.write_text(yaml.safe_dump({"engine": {"n_threads": 1}}))
+    result = subprocess.run(
+        ["python", "-m", "tuning.search", "--offline", "--trials", "2", "--space", str(space), "--gen-tokens", "8",
+         "--repeats", "1", "--min-ctx-per-slot", "512", "--confirm-rounds", "0", "--results-dir", str(tmp_path),
+         "--out", str(tmp_path / "tuned.yaml"), "--study-name", "offline", "--workload", "benchmark",
+         "--base-config", str(base)],
+        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=900)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "2 trial(s) at a time, one per GPU on 2 nodes (their engines on the CPU" in output, output[-3000:]
+    report = (tmp_path / "offline" / "report.md").read_text()
+    assert "Trials measured on 2 nodes" in report, report[-3000:]
+    assert (tmp_path / "tuned.yaml").is_file()
+
+
+def _wait_for_free_gpus(cluster: Any, gpus: int, timeout_s: float = 120.0) -> None:
+    """Until the cluster's `gpus` GPUs are free (a Serve app shut down gives its replicas' back a little later)."""
+    code = "import ray; ray.init(); print(int(ray.available_resources().get('GPU', 0)))"
+    deadline = time.monotonic() + timeout_s
+    free = 0
+    while time.monotonic() < deadline:
+        out = subprocess.run(["python", "-c", code], env=cluster.env, capture_output=True, text=True, timeout=120)
+        free = int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
+        if free >= gpus:
+            return
+        time.sleep(2)
+    raise AssertionError(f"{free} of the cluster's {gpus} GPUs free after {timeout_s:.0f} s")

@@ -16,7 +16,11 @@ from tuning.confirm import Candidate, Confirmed, decide
 from tuning.options import Prefer, SearchOptions, Where, _parser, parse_options
 from tuning.report import TrialRow
 from tuning.results import Objective, TrialResult
-from tuning.search import Confirmation, UserError, pick_summary, plan_line, serving_app, with_served
+from serving.node import DeviceMemory, ReplicaPlace
+from tuning.gpus import TrialSlots
+from tuning.report import nodes_section
+from tuning.search import (Confirmation, UserError, budget_bytes, choose_device, pick_summary, plan_line,
+                           serving_app, with_served)
 from tuning.workloads import least_context, traffic_plan
 
 pytestmark = pytest.mark.unit
@@ -91,11 +95,55 @@ def test_where_a_study_cannot_run_is_a_clear_error(argv: list[str], found: Any, 
 
 def test_the_plan_line_says_what_a_study_does_to_clients() -> None:
     opts, base = parse_options([]), EngineConfig()
-    in_place = plan_line(opts, base, APP, on_gpu=False, gpus=0, budget=2**30, min_ctx=2048)
+    in_place = plan_line(opts, base, APP, on_gpu=False, slots=TrialSlots(), budget=2**30, min_ctx=2048)
     assert "in place on Serve app 'llama'" in in_place and "Ctrl-C puts back" in in_place
     assert "--offline" in in_place and "\n" not in in_place
-    offline = plan_line(opts, base, None, on_gpu=False, gpus=0, budget=2**30, min_ctx=2048)
+    offline = plan_line(opts, base, None, on_gpu=False, slots=TrialSlots(), budget=2**30, min_ctx=2048)
     assert "offline" in offline and "configs/tuned.yaml" in offline and "serve run serving.app:main" in offline
+
+
+def _gpu(node: str, total_gib: int, offload: bool = True) -> ReplicaPlace:
+    """A free GPU as a probe on its node reports it."""
+    gpu = DeviceMemory(0, "H200", total_gib * 2**30, 2**28) if offload else None
+    return ReplicaPlace(replica="trial slot", node_id=node * 8, node_ip="10.0.0.1", hostname=f"host-{node}",
+                        visible_devices="0", gpus=(gpu,) if gpu else (), offload=offload)
+
+
+def test_offline_trials_take_their_device_and_budget_from_the_gpus_nodes_not_the_tuners_machine() -> None:
+    """Two nodes' GPUs (80 and 40 GiB), read where they are: GPU trials, two at a time, one per GPU, and a budget
+    the smaller fits; this machine has no GPU and is never asked."""
+    opts = parse_options(["--offline"])
+    slots = TrialSlots((_gpu("a", 80), _gpu("b", 40)))
+    assert choose_device(opts, total=2, free=2, slots=slots)
+    assert budget_bytes(opts, True, slots.gpu_memory_total) == 39 * 2**30
+    assert slots.count == 2 and slots.resources == {"gpu": 1, "cpu": 1}
+    line = plan_line(opts, EngineConfig(), None, on_gpu=True, slots=slots, budget=39 * 2**30, min_ctx=2048)
+    assert "2 trial(s) at a time, one per GPU on 2 nodes" in line and "on the CPU" not in line
+
+
+def test_declared_gpus_whose_engines_cannot_offload_give_cpu_trials_one_per_gpu_or_a_clear_error() -> None:
+    """A cluster declaring GPUs its llama.cpp build cannot use (as the cluster tests' nodes do) runs CPU trials, one
+    per declared GPU, as its serving replicas run; `--device gpu` there, or nodes that differ, is an error naming
+    the node."""
+    none = TrialSlots((_gpu("a", 80, offload=False), _gpu("b", 80, offload=False)))
+    assert not choose_device(parse_options(["--offline"]), total=2, free=2, slots=none)
+    assert none.resources == {"gpu": 1, "cpu": 1} and none.count == 2
+    line = plan_line(parse_options(["--offline"]), EngineConfig(), None, on_gpu=False, slots=none, budget=2**30,
+                     min_ctx=2048)
+    assert "one per GPU on 2 nodes (their engines on the CPU" in line
+    with pytest.raises(UserError, match=r"host-a \(10.0.0.1\), host-b \(10.0.0.1\).*--device cpu"):
+        choose_device(parse_options(["--offline", "--device", "gpu"]), total=2, free=2, slots=none)
+    mixed = TrialSlots((_gpu("a", 80), _gpu("b", 80, offload=False)))
+    with pytest.raises(UserError, match=r"on host-b \(10.0.0.1\)"):
+        choose_device(parse_options(["--offline"]), total=2, free=2, slots=mixed)
+    assert TrialSlots().count == 1 and TrialSlots().resources == {"cpu": 1}
+
+
+def test_the_report_says_which_node_measured_which_trial_when_there_were_several() -> None:
+    rows = [TrialRow(n, TrialResult(params={}, n_ctx=1, mem_predicted=1, mem_budget=2, node=node))
+            for n, node in ((0, "h/aaaa"), (1, "h/bbbb"), (2, "h/aaaa"))]
+    assert nodes_section(rows) == ["Trials measured on 2 nodes (host/Ray node): h/aaaa: #0, #2; h/bbbb: #1.", ""]
+    assert nodes_section(rows[:1]) == []
 
 
 def _row(number: int, single: float, second: float, baseline: bool = False) -> TrialRow:

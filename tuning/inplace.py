@@ -20,7 +20,7 @@ from ray.tune import Callback
 
 from serving.config import EngineConfig
 from serving.control import DEPLOYMENT_NAME
-from serving.node import ReplicaPlace
+from serving.node import Placed, ReplicaPlace
 from serving.traffic import TrafficSummary
 from serving.trials import TrialRun
 from tuning.objective import InPlaceMeasure, SpeedMeasure
@@ -33,24 +33,13 @@ REQUESTS_PER_TRIAL = 1000  # request numbers each trial's prompts may use (fresh
 
 
 @dataclass(frozen=True)
-class ServingApp:
+class ServingApp(Placed):
     """A running Serve app with engine replicas: where an in-place study runs."""
 
     name: str
     replicas: int
     serving: EngineConfig  # what the replicas serve now: the study's base, and what an interruption restores
     places: tuple[ReplicaPlace, ...] = ()  # each replica's node and GPUs, as it reads them on its node
-
-    @property
-    def on_gpu(self) -> bool:
-        """Whether the replicas' engines put layers on a GPU (every one must: one study, one device kind)."""
-        return bool(self.places) and all(p.offload for p in self.places)
-
-    @property
-    def gpu_memory_total(self) -> int | None:
-        """The smallest GPU any replica has (a pick must fit every one), None where one has none."""
-        totals = [p.gpu_memory_total for p in self.places]
-        return min(totals) if totals and None not in totals else None  # type: ignore[type-var]
 
 
 def find_serving_app(app_name: str | None) -> ServingApp | None:

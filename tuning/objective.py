@@ -17,6 +17,7 @@ from measure.targets import EngineTarget
 from measure.workload import Capacity, PromptSet, Runner, Speed, Workload
 from serving.config import CacheType
 from serving.engine import Engine
+from serving.node import node_label
 from tuning.device import DeviceProbe
 from tuning.results import CurvePoint, Measurement, SpeedFigures
 from tuning.workloads import TrafficPlan
@@ -67,7 +68,7 @@ def measure_engine(engine: Engine, runner: Runner, probe: DeviceProbe, baseline:
         weight_loads=engine.weight_loads, weight_load_s=engine.weight_load_s,
         capacity_tok_s=capacity.tok_s if capacity is not None else None,
         capacity_streams=capacity.streams if capacity is not None else None, capacity_curve=curve,
-        single_copy_tok_s=copy, **probe.state())
+        single_copy_tok_s=copy, node=node_label(), **probe.state())
 
 
 def _traffic_measurement(engine: Engine, runner: Runner, probe: DeviceProbe, baseline: float | None,
@@ -79,7 +80,8 @@ def _traffic_measurement(engine: Engine, runner: Runner, probe: DeviceProbe, bas
     return Measurement(
         single_tok_s=figures.median_stream_tok_s, aggregate_tok_s=figures.output_tok_s, ttft_ms=1000 * ttft,
         prefill_tok_s=0.0, nll=nll, nll_baseline=reference, mem_measured=mem_measured,
-        weight_loads=engine.weight_loads, weight_load_s=engine.weight_load_s, traffic=figures, **probe.state())
+        weight_loads=engine.weight_loads, weight_load_s=engine.weight_load_s, traffic=figures, node=node_label(),
+        **probe.state())
 
 
 async def _speed_figures(runner: Runner, target: EngineTarget) -> tuple[Speed, Capacity | None, float | None]:

@@ -355,12 +355,24 @@ def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context
     out += latency_section(winner)
     out += ["", "## Pareto front", "", trial_table(front, traffic), ""]
     out += capacity_section(rows, capacity_plot) if capacity_plot else []
-    out += ["## All trials", "", trial_table(rows, traffic), "",
+    out += ["## All trials", "", trial_table(rows, traffic), "", *nodes_section(rows),
             "Quality: NLL delta is the mean negative log-likelihood (nats/token) of tuning/data/quality.txt "
             "under the trial's config minus the same with an f16 K/V cache; trials above "
             "--max-quality-loss are infeasible. Memory: predicted from the GGUF header before loading; "
             "measured with NVML (the process's GPU memory) or as resident-memory growth on CPU."]
     return "\n".join(out) + "\n"
+
+
+def nodes_section(rows: list[TrialRow]) -> list[str]:
+    """Where the trials were measured, when that was more than one node of the cluster (each trial on its own)."""
+    by_node: dict[str, list[int]] = {}
+    for r in rows:
+        if r.result.node and not r.result.reused:
+            by_node.setdefault(r.result.node, []).append(r.number)
+    if len(by_node) < 2:
+        return []
+    where = "; ".join(f"{node}: {', '.join(f'#{n}' for n in numbers)}" for node, numbers in sorted(by_node.items()))
+    return [f"Trials measured on {len(by_node)} nodes (host/Ray node): {where}.", ""]
 
 
 def main(argv: list[str] | None = None) -> int:

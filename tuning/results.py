@@ -141,6 +141,7 @@ class Measurement:
     throttle_reasons: str | None = None
     throttled: bool = False
     shared: bool = False
+    node: str = ""  # where the engine measured ran (serving.node.node_label): trials spread over a cluster's nodes
 
     @property
     def nll_delta(self) -> float:
@@ -194,6 +195,7 @@ class TrialResult:
     throttle_reasons: str | None = None
     throttled: bool = False
     shared: bool = False
+    node: str = ""  # where the engine measured ran ("" = nothing ran)
     constraint_mem: float = MEM_UNKNOWN
     constraint_quality: float = QUALITY_UNKNOWN
     constraint_slo: float = QUALITY_UNKNOWN  # on a workload: the SLO's violation (<= 0: met)

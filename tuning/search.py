@@ -25,12 +25,12 @@ os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")  # Ctrl-C reaches main
 
 # Nothing heavy at the top: `--help` and a bad flag answer at once. Ray, Optuna and the engine (whose
 # serving/llama.py loads ray before libllama) are imported where they are first needed.
-from measure.device import gpu_memory_total  # noqa: E402
 from measure.workload import Workload  # noqa: E402
 from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, load_engine_config  # noqa: E402
 from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
 from tuning.options import REPO_ROOT, DeviceChoice, Sampler, SearchOptions, Where, parse_options  # noqa: E402
 from tuning.confirm import Candidate, Verdict  # noqa: E402
+from tuning.gpus import TrialSlots, free_gpu_places  # noqa: E402
 from tuning.report import Objective, TrialRow  # noqa: E402
 from tuning.space import (PlacementKnob, PlacementSearch, SearchSpace, SpaceFunction,  # noqa: E402
                           to_engine_config)
@@ -142,10 +142,23 @@ def serving_app(opts: SearchOptions, find: Callable[[str | None], ServingApp | N
     return app
 
 
-def choose_device(opts: SearchOptions, total: int, free: int, app: ServingApp | None = None) -> bool:
-    """True for GPU trials. A GPU cluster whose GPUs are all taken is an error, not a silent CPU run
-    (unless the trials run in place, on the replicas that hold them: then the replicas say whether their
-    engines have a GPU, each read on its own node)."""
+def trial_slots(opts: SearchOptions, total: int, free: int, app: ServingApp | None) -> TrialSlots:
+    """Where offline trials run: every free GPU of the cluster, read on its node (none in place, where the replicas
+    are the slots, with --device cpu, or on a cluster without GPUs)."""
+    if app is not None or opts.device is DeviceChoice.cpu or total == 0 or free == 0:
+        return TrialSlots()
+    try:
+        return TrialSlots(free_gpu_places(free))
+    except RuntimeError as exc:
+        raise UserError(f"{exc}: retry, or tune in place (drop --offline)") from exc
+
+
+def choose_device(opts: SearchOptions, total: int, free: int, app: ServingApp | None = None,
+                  slots: TrialSlots | None = None) -> bool:
+    """True for GPU trials. A GPU cluster whose GPUs are all taken is an error, not a silent CPU run. Where the
+    trials run in place, the replicas say whether their engines have a GPU, each read on its own node; offline,
+    the GPUs' own nodes say it (`slots`): declared GPUs whose engines cannot offload (a CPU build of llama.cpp, or
+    no GPU NVML can see) give CPU trials, one per declared GPU, as the serving replicas there run on the CPU."""
     if opts.device is DeviceChoice.cpu:
         return False
     if app is not None:
@@ -157,7 +170,15 @@ def choose_device(opts: SearchOptions, total: int, free: int, app: ServingApp | 
     if free == 0:
         raise UserError(f"no free GPU: the cluster's {total} GPU(s) are all in use (a Serve app holding them?); "
                         "tune in place (drop --offline), stop the app, or add GPUs")
-    return True
+    lacking = slots.without_offload() if slots is not None else []
+    if slots is None or not lacking:
+        return True
+    where = ", ".join(sorted({f"{p.hostname} ({p.node_ip})" for p in lacking}))
+    if opts.device is DeviceChoice.gpu or len(lacking) < len(slots.places):  # one study, one device kind
+        raise UserError(f"GPU trials, but the engine cannot put layers on the GPU Ray gives it on {where} (a CPU "
+                        "build of llama.cpp there, or no GPU NVML can see): build llama-cpp-python with CUDA there, "
+                        "or pass --device cpu")
+    return False
 
 
 def ram_budget_bytes(opts: SearchOptions) -> int:
@@ -171,17 +192,18 @@ def ram_budget_bytes(opts: SearchOptions) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 3 // 4
 
 
-def budget_bytes(opts: SearchOptions, on_gpu: bool, app: ServingApp | None = None) -> int:
+def budget_bytes(opts: SearchOptions, on_gpu: bool, gpu_total: int | None = None) -> int:
+    """--vram-budget, else on a GPU the smallest GPU the trials run on (`gpu_total`, read on its node) less a
+    margin, else half of this machine's memory."""
     if opts.vram_budget:
         try:
             return parse_bytes(opts.vram_budget)
         except ValueError as exc:
             raise UserError(str(exc)) from exc
     if on_gpu:
-        total = app.gpu_memory_total if app is not None else gpu_memory_total()
-        if total is None:
+        if gpu_total is None:
             raise UserError("cannot read the GPU's memory size (NVML): pass --vram-budget")
-        return total - GPU_MARGIN
+        return gpu_total - GPU_MARGIN
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
@@ -264,7 +286,7 @@ def open_storage(opts: SearchOptions) -> Any:
     return optuna.storages.RDBStorage(url)
 
 
-def run_study(*, opts: SearchOptions, settings: Any, searcher: Any, on_gpu: bool, gpus: int, study_name: str,
+def run_study(*, opts: SearchOptions, settings: Any, searcher: Any, slots: TrialSlots, study_name: str,
               app: ServingApp | None) -> float:
     """The search: Ray Tune runs the trials the searcher proposes; returns its wall time in seconds."""
     from ray import tune
@@ -276,11 +298,10 @@ def run_study(*, opts: SearchOptions, settings: Any, searcher: Any, on_gpu: bool
     if app is not None:  # each replica is a trial slot; the actor only talks to it
         trainable = tune.with_resources(tune.with_parameters(
             ReplicaTrial, settings=settings, app=app.name, study=study_name, trials=opts.trials), {"cpu": 0.01})
-        slots = app.replicas
+        at_once = app.replicas
     else:
-        resources: dict[str, float] = {"gpu": 1, "cpu": 1} if on_gpu else {"cpu": 1}
-        trainable = tune.with_resources(tune.with_parameters(EngineTrial, settings=settings), resources)
-        slots = max(gpus, 1) if on_gpu else 1
+        trainable = tune.with_resources(tune.with_parameters(EngineTrial, settings=settings), slots.resources)
+        at_once = slots.count
     reporter = CLIReporter(
         parameter_columns=["n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn"],
         metric_columns={"single_tok_s": "single", "aggregate_tok_s": "4-way" if not settings.traffic else "out tok/s",
@@ -288,11 +309,11 @@ def run_study(*, opts: SearchOptions, settings: Any, searcher: Any, on_gpu: bool
                         **({"goodput_rps": "goodput"} if settings.traffic else {}), "feasible": "ok"},
         max_report_frequency=15,
     )
-    callbacks: list[Callback] = [FirstTrialNotice(opts.trials, slots)] if app is not None else []
+    callbacks: list[Callback] = [FirstTrialNotice(opts.trials, at_once)] if app is not None else []
     tuner = tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(search_alg=searcher, num_samples=opts.trials, reuse_actors=True,
-                                    max_concurrent_trials=slots),
+                                    max_concurrent_trials=at_once),
         run_config=tune.RunConfig(name=study_name, storage_path=str((opts.results_dir / "ray").resolve()),
                                   stop={"training_iteration": 1}, progress_reporter=reporter, verbose=1,
                                   callbacks=callbacks),
@@ -557,8 +578,9 @@ def run(opts: SearchOptions, session: Session) -> int:
         contexts = space.contexts(min_ctx)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    on_gpu = choose_device(opts, total, free, app)
-    budget = budget_bytes(opts, on_gpu, app)
+    slots = trial_slots(opts, total, free, app)
+    on_gpu = choose_device(opts, total, free, app, slots)
+    budget = budget_bytes(opts, on_gpu, app.gpu_memory_total if app is not None else slots.gpu_memory_total)
     check_possible(shape, base, space, contexts[0], budget, on_gpu)
     placement = placement_search(shape, base, budget, on_gpu, space, contexts[0])
     # in place measures other conditions (live replicas, the whole device's memory): a study of its own
@@ -577,11 +599,11 @@ def run(opts: SearchOptions, session: Session) -> int:
                              max_quality_loss=opts.max_quality_loss, traffic=traffic,
                              ram_budget_bytes=ram_budget_bytes(opts))
     searcher = make_searcher(opts, space, contexts, placement, baseline, storage, study_name, base)
-    print(plan_line(opts, base, app, on_gpu, total, budget, min_ctx), flush=True)
-    wall = run_study(opts=opts, settings=settings, searcher=searcher, on_gpu=on_gpu, gpus=total,
-                     study_name=study_name, app=app)
+    print(plan_line(opts, base, app, on_gpu, slots, budget, min_ctx), flush=True)
+    wall = run_study(opts=opts, settings=settings, searcher=searcher, slots=slots, study_name=study_name, app=app)
     context = {"model": base.model_path.name, "device": "GPU" if on_gpu else "CPU",
-               "trials ran": f"in place, on app {app.name!r}" if app else "offline (engines of the tuner's own)",
+               "trials ran": (f"in place, on app {app.name!r}" if app else
+                              f"offline (engines of the tuner's own; {slots_text(slots, on_gpu)})"),
                "budget": f"{budget / GiB:.2f} GiB", "min context per slot": min_ctx,
                "max quality loss": f"{opts.max_quality_loss} nats/token", "sampler": opts.sampler.value,
                **({"workload": traffic.workload.describe(), "SLO": str(opts.slo or "none")} if traffic else
@@ -593,7 +615,7 @@ def run(opts: SearchOptions, session: Session) -> int:
                   settings=settings)
 
 
-def plan_line(opts: SearchOptions, base: EngineConfig, app: ServingApp | None, on_gpu: bool, gpus: int,
+def plan_line(opts: SearchOptions, base: EngineConfig, app: ServingApp | None, on_gpu: bool, slots: TrialSlots,
               budget: int, min_ctx: int) -> str:
     """The one line printed before the first trial: what will be tuned, where, and what it does to clients."""
     what = (f"tuning {base.model_path.name} on {'GPU' if on_gpu else 'CPU'}, budget {budget / GiB:.2f} GiB, "
@@ -605,8 +627,17 @@ def plan_line(opts: SearchOptions, base: EngineConfig, app: ServingApp | None, o
                 "tunes on engines of the tuner's own instead")
     apply = ("then applied to the running app" if opts.apply and opts.where is Where.offline else
              "which the next `serve run serving.app:main` loads" if opts.out == DEFAULT_OUT else "")
-    return (f"{what}, offline ({max(gpus, 1) if on_gpu else 1} trial(s) at a time, engines of the tuner's own); "
+    return (f"{what}, offline ({slots_text(slots, on_gpu)}, engines of the tuner's own); "
             f"the pick goes to {opts.out}{', ' + apply if apply else ''}")
+
+
+def slots_text(slots: TrialSlots, on_gpu: bool) -> str:
+    """How many trials run at a time, and where."""
+    if not slots.places:
+        return "1 trial at a time"
+    nodes = f" on {slots.nodes} nodes" if slots.nodes > 1 else ""
+    engines = "" if on_gpu else " (their engines on the CPU: none can put layers on its GPU)"
+    return f"{slots.count} trial(s) at a time, one per GPU{nodes}{engines}"
 
 
 def _study_has_trials(storage: Any, study_name: str) -> bool:
