@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +28,10 @@ import yaml
 from measure.targets import free_loopback_port
 
 START_TIMEOUT_S = 180.0
+# runs a command with SIGINT's default action restored: a process started in the background by a
+# non-interactive shell ignores SIGINT, its children inherit that, and `serve run` shuts Serve down only on Ctrl-C
+WITH_CTRL_C = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+               "os.execvp(sys.argv[1], sys.argv[1:])")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -129,8 +134,8 @@ class ClusterApp:
         self.log = work_dir / f"serve-{tag}.log"
         self.url = f"http://127.0.0.1:{self.port}"
         with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(["serve", "run", str(config)], cwd=REPO, env=cluster.env, stdout=log,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([sys.executable, "-c", WITH_CTRL_C, "serve", "run", str(config)], cwd=REPO,
+                                         env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
 
     def health(self) -> dict[str, Any]:
         """/health's body ({} when it does not answer)."""
