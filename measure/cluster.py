@@ -44,6 +44,7 @@ class LocalCluster:
     ip: str
     nodes: list[str] = field(default_factory=list)
     dashboard_port: int | None = None  # the head's dashboard (what `serve deploy` talks to), when started
+    settings: dict[str, str] = field(default_factory=dict)  # environment every node starts with (Serve's switches)
 
     @property
     def address(self) -> str:
@@ -54,16 +55,17 @@ class LocalCluster:
         """What a client of this cluster (`serve run`, the tuner, the soak) runs with."""
         dashboard = {"RAY_DASHBOARD_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"} if self.dashboard_port else {}
         return {**os.environ, "RAY_TMPDIR": str(self.temp_dir), "RAY_AUTH_MODE": "token",
-                "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0", **dashboard}
+                "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0", **dashboard, **self.settings}
 
     @classmethod
     def start(cls, gpus_per_node: int = 1, cpus_per_node: int = 2, workers: int = 1,
-              dashboard: bool = False) -> LocalCluster:
+              dashboard: bool = False, settings: dict[str, str] | None = None) -> LocalCluster:
         """A head and `workers` more nodes; each node has a resource named after it (`node_a`, `node_b`, ...).
-        With `dashboard`, the head runs Ray's dashboard, which `serve deploy` needs (~250 MB more)."""
+        With `dashboard`, the head runs Ray's dashboard, which `serve deploy` needs (~250 MB more). `settings`:
+        environment every node starts with, as an operator sets Serve's cluster-wide switches at `ray start`."""
         temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # short: Ray's socket paths are length-limited
         board_port = free_loopback_port() if dashboard else None
-        cluster = cls(temp, free_loopback_port(), _node_ip(), dashboard_port=board_port)
+        cluster = cls(temp, free_loopback_port(), _node_ip(), dashboard_port=board_port, settings=dict(settings or {}))
         board = ["--include-dashboard=false"]
         if dashboard:
             board = ["--include-dashboard=true", "--dashboard-host=127.0.0.1",

