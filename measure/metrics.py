@@ -229,13 +229,11 @@ class PairedGap:
         return f"{self.median:+.1f} [{self.q1:+.1f}, {self.q3:+.1f}]"
 
 
-def paired_gap(ours: Sequence[RoundFigures], reference: Sequence[RoundFigures], key: str = "ttft_ms"
-               ) -> PairedGap | None:
-    """The round-by-round difference of `key` (None where no round has it on both sides)."""
+def paired_gap(ours: Sequence[float], reference: Sequence[float]) -> PairedGap | None:
+    """The pair-by-pair difference ours[i] - reference[i] (None without pairs)."""
     if len(ours) != len(reference):
         raise ValueError(f"{len(ours)} rounds against {len(reference)}: pair rounds of one interleaved run")
-    each = sorted(a - b for a, b in ((getattr(x, key), getattr(y, key)) for x, y in zip(ours, reference, strict=True))
-                  if a is not None and b is not None)
+    each = sorted(a - b for a, b in zip(ours, reference, strict=True))
     if not each:
         return None
     return PairedGap(statistics.median(each), percentile(each, 25), percentile(each, 75), len(each))

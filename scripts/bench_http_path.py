@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,10 +33,10 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
 from measure import serve_app  # noqa: E402
-from measure.metrics import PairedGap, RoundFigures, paired_gap, paired_ratios, ratios  # noqa: E402
+from measure.metrics import PairedGap, RoundFigures, paired_gap, paired_ratios, ratios, stream_figures  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import HttpTarget, loaded_engine  # noqa: E402
-from measure.workload import Runner, Target, Workload  # noqa: E402
+from measure.workload import Prompt, Runner, Target, Workload  # noqa: E402
 from serving.config import load_engine_config  # noqa: E402
 
 IN_PROCESS = "in-process"
@@ -87,6 +88,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             workload = Workload(gen_tokens=args.max_tokens, levels=args.levels, repeats=args.repeats)
             results = await Runner(workload).levels(targets, lambda name, level, rep, f: print(
                 f"  {name:<12} c={level} rep {rep}: {f.aggregate_tok_s:.1f} tok/s", file=sys.stderr))
+            probe = await first_token_probe(targets, args.probe) if args.probe else {}
     finally:
         if args.variant:
             serve_app.stop_serve()
@@ -102,12 +104,37 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                      for n, level in levels.items()}
                               for name, levels in results.items() if name != IN_PROCESS},
             "ttft_gap_ms": ttft_gaps({name: {n: level.rounds for n, level in levels.items()}
-                                      for name, levels in results.items()})}
+                                      for name, levels in results.items()}),
+            "probe_ttft_ms": probe}
+
+
+async def first_token_probe(targets: Sequence[Target], rounds: int) -> dict[str, list[float]]:
+    """What the path adds where no prefill hides it: a prompt of a few tokens and one token out, one request at a
+    time, each target in turn (the order alternating), `rounds` times after a warm-up; each request's TTFT, ms."""
+    ttfts: dict[str, list[float]] = {t.name: [] for t in targets}
+    for target in targets:
+        await target.run_stream(Prompt("Request 0.", chat=False), 1, True)
+    for i in range(1, rounds + 1):
+        for target in (targets if i % 2 else list(reversed(targets))):
+            record = await target.run_stream(Prompt(f"Request {i}.", chat=False), 1, True)
+            ttfts[target.name].append(stream_figures(record).ttft_s * 1000)
+    return ttfts
+
+
+def probe_table(probe: dict[str, list[float]]) -> str:
+    """The probe's TTFT per target, and each against the engine in-process request by request."""
+    lines = ["| target | requests | TTFT ms (median) | TTFT - in-process ms: paired median [quartiles] |",
+             "| --- | ---: | ---: | ---: |"]
+    for name, values in probe.items():
+        gap = paired_gap(values, probe[IN_PROCESS]) if name != IN_PROCESS else None
+        lines.append(f"| {name} | {len(values)} | {statistics.median(values):.1f} | {gap.text() if gap else '-'} |")
+    return "\n".join(lines)
 
 
 def ttft_gaps(rounds: dict[str, dict[Any, list[RoundFigures]]]) -> dict[str, dict[str, Any]]:
     """Per target and level, its TTFT minus the in-process engine's, round by round (median, quartiles)."""
-    gaps = {name: {str(n): paired_gap(level, rounds[IN_PROCESS][n]) for n, level in levels.items()}
+    gaps = {name: {str(n): paired_gap([r.ttft_ms for r in level], [r.ttft_ms for r in rounds[IN_PROCESS][n]])
+                   for n, level in levels.items()}
             for name, levels in rounds.items() if name != IN_PROCESS}
     return {name: {n: asdict(g) if g else None for n, g in levels.items()} for name, levels in gaps.items()}
 
@@ -157,20 +184,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="also measure a server already running at URL (its API root); repeat for more")
     p.add_argument("--engine", action="append", default=["n_parallel=4", "n_ctx=4096"], metavar="KEY=VALUE",
                    help="engine settings of every target (default n_parallel=4, n_ctx=4096)")
-    p.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=(1, 4))
+    p.add_argument("--levels", type=lambda t: () if t == "none" else tuple(int(x) for x in t.split(",")),
+                   default=(1, 4), help="streams at once, comma-separated (default 1,4); none: the probe alone")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--probe", type=int, default=0, metavar="N",
+                   help="also N one-token requests of a few-token prompt per target, one at a time: the TTFT the "
+                        "path adds where no prefill hides it (default 0: none)")
     p.add_argument("--load-timeout", type=float, default=300.0)
     p.add_argument("--json-out", type=Path)
     p.add_argument("--from-json", type=Path, help="print the table of a saved run instead of measuring")
     args = p.parse_args(argv)
     if args.from_json:
-        print(table(with_paired_ratios(json.loads(args.from_json.read_text()))))
+        saved = with_paired_ratios(json.loads(args.from_json.read_text()))
+        print(table(saved))
+        if saved.get("probe_ttft_ms"):
+            print(probe_table(saved["probe_ttft_ms"]))
         return 0
     if not args.variant and not args.server:
         p.error("give at least one --variant or --server")
     report = asyncio.run(run(args))
     print(table(report))
+    if report["probe_ttft_ms"]:
+        print(probe_table(report["probe_ttft_ms"]))
     if args.json_out:
         write_report(args.json_out, report)
     return 0

@@ -165,15 +165,12 @@ def test_the_paired_ttft_gap_is_each_round_minus_its_neighbour_with_quartiles() 
     both targets cancels (the medians here differ by 20 ms; every pair by 5-15)."""
     from measure.metrics import paired_gap
 
-    def round_at(ttft_s: float) -> RoundFigures:
-        return RoundFigures.of([StreamFigures(ttft_s, 100.0, 10, None, None, ())], 1.0, 10)
-
-    ours = [round_at(x) for x in (0.105, 0.210, 0.315, 0.150)]
-    reference = [round_at(x) for x in (0.100, 0.200, 0.300, 0.140)]
+    ours, reference = [105.0, 210.0, 315.0, 150.0], [100.0, 200.0, 300.0, 140.0]
     gap = paired_gap(ours, reference)
     assert gap is not None and gap.rounds == 4
     assert (gap.median, gap.q1, gap.q3) == pytest.approx((10.0, 8.75, 11.25))
     assert gap.text() == "+10.0 [+8.8, +11.2]"
+    assert paired_gap([], []) is None
     with pytest.raises(ValueError):
         paired_gap(ours[:2], reference)
 
