@@ -126,3 +126,11 @@ def test_bad_input_and_a_missing_key_get_openai_errors(served: tuple[str, str]) 
     unauthorised = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=60)
     assert unauthorised.status_code == 401 and "error" in unauthorised.json()
     assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"  # /health needs no key
+
+
+def test_the_control_routes_answer_for_every_replica(served: tuple[str, str]) -> None:
+    _, url = served
+    slots = httpx.get(f"{url}/slots", headers=_auth(), timeout=60)
+    assert slots.status_code == 200 and len(slots.json()["replicas"]) == 1, slots.text
+    metrics = httpx.get(f"{url}/metrics", headers=_auth(), timeout=60)
+    assert metrics.status_code == 200 and "llm_requests_total" in metrics.text, metrics.text[:500]
