@@ -513,3 +513,26 @@ def test_with_ingress_engine_the_engine_replicas_are_the_app(monkeypatch: pytest
     assert engines.init_args[0]["ingress"] == "engine"
     with pytest.raises(ValidationError, match="ingress"):
         serving_app.AppArgs.model_validate({"ingress": "proxy"})
+
+
+@pytest.mark.engine
+def test_the_readme_lists_every_server_setting() -> None:
+    """README's server-settings table is where users look: a setting added to ServerOptions must appear there."""
+    import re
+
+    from serving import app as serving_app
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("Server settings (`serving/app.py`"):]
+    listed = set(re.findall(r"^\| `(\w+)` \|", table[:table.index("\n\n", table.index("| key |"))], re.MULTILINE))
+    assert listed == set(serving_app.ServerOptions.model_fields)
+
+
+@pytest.mark.engine
+def test_configuration_md_describes_every_server_setting() -> None:
+    from serving import app as serving_app
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    section = doc[doc.index("## Server settings in full"):doc.index("### Admission control")]
+    missing = [name for name in serving_app.ServerOptions.model_fields if f"- `{name}` (" not in section]
+    assert not missing
