@@ -1,7 +1,8 @@
 """The Ray Serve app: an ingress (serving/ingress.py) that takes every HTTP request, and one engine replica
 per GPU (LlamaServer here), each one Engine behind the OpenAI-compatible routes of serving/openai.py plus
 the control routes /slots, /props, /metrics and /traffic. The ingress answers /health itself, from what the engine
-replicas last told its background watch, and relays every other request to one (serving/relay.py).
+replicas last told its background watch, and relays every other request to one (serving/relay.py). With
+`ingress=engine` there is no ingress: the engine replicas take HTTP themselves (EngineAsIngress).
 
 `serve run serving.app:main [config=FILE] [KEY=VALUE ...]` builds it: KEYs are EngineConfig fields or
 ServerOptions fields. The engine config travels as the deployment's `user_config` (the first load, and
@@ -278,7 +279,7 @@ class LlamaServer(OpenAIRoutes):
     @api.get("/health", responses={503: {"description": "loading, the model failed to load, or no replica is up"}})
     async def health(self) -> JSONResponse:
         """200 once the engine serves; 503 while loading, after a failed load, or if the engine stopped.
-        (The app's ingress answers /health from health_report; this route documents it.)"""
+        (The app's ingress answers /health from health_report; this route answers with ingress=engine.)"""
         return self.host.health_report().response()
 
     # -- control routes: they read state only, never take a slot or wait for the engine --------------
