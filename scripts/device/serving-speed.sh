@@ -4,8 +4,8 @@
 #   1. waits for setup.sh's llama.cpp build, writes the 27B-class synthetic model (random weights: speed only);
 #   2. scripts/bench_constrained.py on the embedded model (SMOL, a real model): each constraint as the server
 #      compiles it (llguidance) and as GBNF, beside its unconstrained twin, and llama-server on the same requests;
-#   3. scripts/bench_http_path.py on the embedded model: TTFT and decode through the server against the engine
-#      in-process, one stream and four;
+#   3. scripts/bench_http_path.py on the embedded model: TTFT and decode through the server (the relay, and
+#      ingress=engine) against the engine in-process, one stream and four, and the first-token probe;
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
 #      llama-server --cache-ram 8192 and 0.
 # SMOL: the embedded GGUF (default /tmp/smol.gguf: carry it, it is not in the bundle). OUT/progress.log says
@@ -28,8 +28,9 @@ say "constrained rc=$?"
 
 say "HTTP path (embedded model)"
 ray stop --force > /dev/null 2>&1
-python3 scripts/bench_http_path.py --variant default --engine model="$SMOL" --engine n_parallel=4 \
-  --engine n_ctx=4096 --max-tokens 64 --repeats "${HTTP_REPEATS:-10}" --json-out "$OUT/bench_http_path_h200.json" \
+python3 scripts/bench_http_path.py --variant default --variant 'engine:ingress=engine' --engine model="$SMOL" \
+  --engine n_parallel=4 --engine n_ctx=4096 --max-tokens 64 --repeats "${HTTP_REPEATS:-10}" --probe 100 \
+  --json-out "$OUT/bench_http_path_h200.json" \
   > "$OUT/http_path.txt" 2>&1
 say "HTTP path rc=$?"
 ray stop --force > /dev/null 2>&1
