@@ -139,24 +139,25 @@ class ClusterApp:
             self.proc = subprocess.Popen([sys.executable, "-c", WITH_CTRL_C, "serve", "run", str(config)], cwd=REPO,
                                          env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
 
-    def health(self) -> dict[str, Any]:
-        """/health's body ({} when it does not answer)."""
+    def health(self, url: str | None = None) -> dict[str, Any]:
+        """/health's body ({} when it does not answer), at the app's port or at `url` (a replica's own port)."""
         try:
-            return dict(httpx.get(f"{self.url}/health", timeout=5).json())
+            return dict(httpx.get(f"{url or self.url}/health", timeout=5).json())
         except (httpx.HTTPError, ValueError):
             return {}
 
-    def wait(self, check: Callable[[dict[str, Any]], bool], what: str, timeout_s: float) -> dict[str, Any]:
-        """/health once `check` holds; RuntimeError when `serve run` ended or time ran out."""
+    def wait(self, check: Callable[[dict[str, Any]], bool], what: str, timeout_s: float,
+             url: str | None = None) -> dict[str, Any]:
+        """/health (at `url` if given) once `check` holds; RuntimeError when `serve run` ended or time ran out."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            health = self.health()
+            health = self.health(url)
             if check(health):
                 return health
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve run ended ({self.proc.returncode}): {self.log.read_text()[-3000:]}")
             time.sleep(0.5)
-        raise RuntimeError(f"no {what} within {timeout_s:.0f} s; /health {self.health()}")
+        raise RuntimeError(f"no {what} within {timeout_s:.0f} s; /health {self.health(url)}")
 
     def slots(self) -> dict[str, Any]:
         resp = httpx.get(f"{self.url}/slots", timeout=30)

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         app = ClusterApp(cluster, work, {"config": "configs/default.yaml", "n_parallel": 2, "n_ctx": 1024,
                                          "api_key": KEY, "config_poll_s": 0.2, **engine_front})
         url = app.url if mode == "haproxy" else _ingress_url(app, ingress_port)
-        _wait_ready(url, app)
+        app.wait(lambda health: health.get("status") == "ok", "/health ok", READY_S, url=url)  # ingress=engine: its own
         yield mode, url
     finally:
         if app is not None:
@@ -68,8 +69,6 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def _ingress_url(app: ClusterApp, first_port: int) -> str:
     """The port Serve gave the ingress replica: the first of its range that answers."""
-    import time
-
     deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
         for port in range(first_port, first_port + 20):
@@ -82,22 +81,6 @@ def _ingress_url(app: ClusterApp, first_port: int) -> str:
             raise RuntimeError(f"serve run ended: {app.log.read_text()[-3000:]}")
         time.sleep(1)
     raise RuntimeError(f"no ingress replica answered on ports {first_port}+ within {READY_S:.0f} s")
-
-
-def _wait_ready(url: str, app: ClusterApp) -> None:
-    import time
-
-    deadline = time.monotonic() + READY_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).json().get("status") == "ok":  # with ingress=engine: its own
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        if app.proc.poll() is not None:
-            raise RuntimeError(f"serve run ended: {app.log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}/health did not say ok within {READY_S:.0f} s")
 
 
 def _auth() -> dict[str, str]:
