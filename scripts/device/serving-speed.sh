@@ -23,14 +23,14 @@ SERVER=$BUILD/build/bin/llama-server
 
 say "constrained (embedded model)"
 python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" --llama-server "$SERVER" \
-  --out "$OUT/bench_constrained_h200.json" > "$OUT/constrained.txt" 2>&1
+  --out "$OUT/bench_constrained_$GPU.json" > "$OUT/constrained.txt" 2>&1
 say "constrained rc=$?"
 
 say "HTTP path (embedded model)"
 ray stop --force > /dev/null 2>&1
 python3 scripts/bench_http_path.py --variant default --variant 'engine:ingress=engine' --engine model="$SMOL" \
   --engine n_parallel=4 --engine n_ctx=4096 --max-tokens 64 --repeats "${HTTP_REPEATS:-10}" --probe 100 \
-  --json-out "$OUT/bench_http_path_h200.json" \
+  --json-out "$OUT/bench_http_path_$GPU.json" \
   > "$OUT/http_path.txt" 2>&1
 say "HTTP path rc=$?"
 ray stop --force > /dev/null 2>&1
@@ -38,7 +38,7 @@ ray stop --force > /dev/null 2>&1
 say "conversations (27B-class)"
 python3 scripts/bench_conversations.py --model "$MODEL" --engine n_parallel=2 --engine n_ctx=8192 \
   --engine flash_attn=on --engine type_k=q8_0 --engine type_v=q8_0 --llama-server "$SERVER" \
-  --server-args "-np 2 -c 8192 -fa on -ctk q8_0 -ctv q8_0 -ngl 999" --out "$OUT/conversations_h200.json" \
+  --server-args "-np 2 -c 8192 -fa on -ctk q8_0 -ctv q8_0 -ngl 999" --out "$OUT/conversations_$GPU.json" \
   > "$OUT/conversations.txt" 2>&1
 RC=$?
 say "conversations rc=$RC"

@@ -4,6 +4,9 @@
 # (random weights: speed only) unless it is there.
 mkdir -p "$OUT"
 say() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/progress.log"; }
+# The card's short name (h100, h200) for result files: the same scripts run on either kind.
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H[0-9]+' | tr '[:upper:]' '[:lower:]')
+GPU=${GPU:-gpu}
 finish() { echo "rc=$1" > "$OUT/done"; say "done rc=$1"; exit "$1"; }
 
 until [ -f "$BUILD/build.done" ]; do sleep 5; done
