@@ -80,11 +80,12 @@ class ChunkInfo:
     finish_reason: str | None
     usage: Usage | None
     fingerprint: str | None
+    token_chunk: bool = False  # a /completions chunk before the final one: it carries a token, text or not
 
     @property
     def has_output(self) -> bool:
         """True when the chunk carries generated text or tokens (role-only and final chunks do not)."""
-        return bool(self.text) or bool(self.n_tokens)
+        return bool(self.text) or bool(self.n_tokens) or self.token_chunk
 
 
 def _explicit_token_count(payload: dict[str, Any], choice: dict[str, Any]) -> int | None:
@@ -116,7 +117,9 @@ def interpret_chunk(data: str, chat: bool) -> ChunkInfo:
     llama-server quirks handled: a chat stream opens with a role-only delta (``content: null``) that must not
     count as the first token; /v1/completions puts ``usage`` in the same final chunk as ``finish_reason``
     with empty text, while chat sends usage in an extra chunk with ``choices: []``; ``usage`` may be present
-    as null in ordinary chunks (OpenAI does that). An ``error`` object is a StreamError.
+    as null in ordinary chunks (OpenAI does that); /v1/completions sends a chunk for every token even when its
+    text is empty (a token that prints nothing: a random-weight model can generate only those), so such a
+    chunk counts as output, where chat sends no delta for it. An ``error`` object is a StreamError.
     """
     payload = json.loads(data)
     if not isinstance(payload, dict):
@@ -126,10 +129,12 @@ def interpret_chunk(data: str, chat: bool) -> ChunkInfo:
     choices = payload.get("choices") or []
     choice = choices[0] if choices and isinstance(choices[0], dict) else {}
     text = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
+    finish_reason = choice.get("finish_reason")
     return ChunkInfo(
         text=text,
         n_tokens=_explicit_token_count(payload, choice) if choices else None,
-        finish_reason=choice.get("finish_reason"),
+        finish_reason=finish_reason,
         usage=_usage(payload),
         fingerprint=payload.get("system_fingerprint"),
+        token_chunk=not chat and "text" in choice and finish_reason is None,
     )

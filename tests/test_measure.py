@@ -65,6 +65,23 @@ def test_completions_stream_parsing() -> None:
     assert chunks[0].fingerprint == "b1-0c1e570"
 
 
+def test_a_completions_token_without_text_is_output() -> None:
+    """llama-server sends a /v1/completions chunk per token, text or not: a stream of tokens that print
+    nothing (a random-weight model stuck on a filler token) still has a first token and a decode rate."""
+    base = {"object": "text_completion", "model": "m", "id": "cmpl-2"}
+    lines: list[str] = []
+    for _ in range(3):
+        lines += _event({**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": None}]})
+    lines += _event({**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}],
+                     "usage": {"completion_tokens": 3, "prompt_tokens": 5}})
+    record = StreamRecord(t_start=0.0)
+    for t, payload in zip((0.5, 0.6, 0.8, 0.9), list(iter_sse_data(lines)), strict=True):
+        record.absorb(interpret_chunk(payload, chat=False), t)
+    f = stream_figures(record)
+    assert (f.completion_tokens, f.ttft_s) == (3, pytest.approx(0.5))
+    assert f.decode_tok_s == pytest.approx(2 / 0.3)
+
+
 def test_chat_stream_role_delta_is_not_output_and_usage_chunk_has_no_choices() -> None:
     chunks = [interpret_chunk(p, chat=True) for p in list(iter_sse_data(chat_stream()))[:-1]]
     assert [c.has_output for c in chunks] == [False, True, True, False, False]
