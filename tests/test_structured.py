@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -204,3 +206,30 @@ def test_chat_template_sees_tools_and_template_kwargs() -> None:
     out = template.render([{"role": "user", "content": "hi"}], tools=tools, template_kwargs={"enable_thinking": False})
     assert out == "/no_think [f]user: hi\n"
     assert template.render([{"role": "user", "content": "hi"}], template_kwargs={"messages": "x"}) == "user: hi\n"
+
+
+@pytest.fixture(scope="module")
+def costs() -> Iterator[ModuleType]:
+    """scripts/guide_costs.py as a module (it loads libllama: the tests using it are in lane engine)."""
+    from tests.helpers import script_module
+
+    yield from script_module("guide_costs")
+
+
+@pytest.mark.engine
+def test_guide_costs_replays_each_modes_answer_through_its_guide(costs: ModuleType) -> None:
+    """scripts/guide_costs.py's answers stay valid for bench_constrained's guides (a refused token is an
+    error there, not a figure), and every call is timed once per token."""
+    from serving.config import EngineConfig
+    from serving.llama import LlamaModel
+
+    model = LlamaModel(EngineConfig().model_path, n_gpu_layers=0)
+    try:
+        for name, mode in costs.modes().items():
+            tokens = model.tokenize(costs.ANSWERS[name], add_special=False, parse_special=True)
+            spent = costs.replay(model, mode.guide.text, tokens)
+            assert {len(seconds) for seconds in spent.values()} == {len(tokens)}
+        with pytest.raises(RuntimeError, match="refuses"):
+            costs.replay(model, costs.modes()["json_schema"].guide.text, model.tokenize("[1]", add_special=False))
+    finally:
+        model.free()

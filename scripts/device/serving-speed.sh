@@ -2,7 +2,8 @@
 # serving-speed.sh DIR OUT   (run ON the GPU machine, from the repo root, after setup.sh)
 # The serving-speed half of docs/performance.md on the GPU, end to end:
 #   1. waits for setup.sh's llama.cpp build, writes the 27B-class synthetic model (random weights: speed only);
-#   2. scripts/bench_constrained.py on the embedded model (SMOL, a real model): each constraint as the server
+#   2. scripts/guide_costs.py (each llguidance call per token, no decoding), then
+#      scripts/bench_constrained.py on the embedded model (SMOL, a real model): each constraint as the server
 #      compiles it (llguidance) and as GBNF, beside its unconstrained twin, and llama-server on the same requests;
 #   3. scripts/bench_http_path.py on the embedded model: TTFT and decode through the server (the relay, and
 #      ingress=engine) against the engine in-process, one stream and four, and the first-token probe;
@@ -20,6 +21,10 @@ SMOL=${SMOL:-/tmp/smol.gguf}
 source "$(dirname "$0")/study-common.sh"  # say, finish; the build waited for, the model written
 SERVER=$BUILD/build/bin/llama-server
 [ -f "$SMOL" ] || { say "no embedded model at $SMOL"; finish 6; }
+
+say "guide costs (embedded model's vocabulary)"
+python3 scripts/guide_costs.py --model "$SMOL" --out "$OUT/guide_costs_$GPU.json" > "$OUT/guide_costs.txt" 2>&1
+say "guide costs rc=$?"
 
 say "constrained (embedded model)"
 python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" --llama-server "$SERVER" \
