@@ -9,6 +9,8 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from serving.config import default_threads
+
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
@@ -33,6 +35,7 @@ class ReplicaPlace:
     visible_devices: str | None  # CUDA_VISIBLE_DEVICES as Ray set it for this replica (None: not set)
     gpus: tuple[DeviceMemory, ...]
     offload: bool
+    threads: int  # what an engine here runs when its config sets none (serving.config.default_threads)
 
     @property
     def gpu_memory_total(self) -> int | None:
@@ -65,6 +68,11 @@ class Placed:
         totals = [p.gpu_memory_total for p in self.places]
         return min(totals) if totals and None not in totals else None  # type: ignore[type-var]
 
+    @property
+    def threads(self) -> int | None:
+        """The fewest default threads over the places' engines (what a searched thread count must suit)."""
+        return min((p.threads for p in self.places), default=None)
+
 
 def node_label() -> str:
     """Where this process runs, for a trial's record: the host name, and the Ray node's id (its first 8 hex
@@ -80,7 +88,7 @@ def here(replica: str, offload_built: bool) -> ReplicaPlace:
     gpus = _visible_gpus(os.environ.get(VISIBLE_DEVICES))
     return ReplicaPlace(replica=replica, node_id=node_id, node_ip=node_ip, hostname=socket.gethostname(),
                         visible_devices=os.environ.get(VISIBLE_DEVICES), gpus=gpus,
-                        offload=offload_built and bool(gpus))
+                        offload=offload_built and bool(gpus), threads=default_threads())
 
 
 def _ray_node() -> tuple[str, str]:

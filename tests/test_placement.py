@@ -112,6 +112,14 @@ def test_the_memory_model_places_experts_layers_and_kv_as_llama_cpp_does(tiny_mo
 
 
 # -- the search ----------------------------------------------------------------------------------------
+@pytest.mark.unit
+def test_thread_choices_are_all_one_fewer_and_half() -> None:
+    from tuning.space import thread_choices
+
+    assert thread_choices(16) == (8, 15, 16)
+    assert thread_choices(2) == (1, 2) and thread_choices(1) == (1,)
+
+
 @pytest.mark.engine
 def test_placement_is_searched_only_when_the_budget_needs_it(tiny_moe: Path) -> None:
     from tuning.memory import ModelShape, predict
@@ -122,11 +130,16 @@ def test_placement_is_searched_only_when_the_budget_needs_it(tiny_moe: Path) -> 
     space = SearchSpace(n_threads=[2, 4])
     base = EngineConfig(model=tiny_moe)
     need = predict(shape, cheapest_config(base, space, 1024), on_gpu=True).total
-    assert placement_search(shape, base, need, True, space, 1024) is None  # it fits: nothing moves
-    assert placement_search(shape, base, need - 1, False, space, 1024) is None  # on the CPU nothing to move
-    assert placement_search(shape, base, need - 1, True, space, 1024) == PlacementSearch(PlacementKnob.experts, 4)
+    assert placement_search(shape, base, need, True, space, 1024, 16) is None  # it fits: nothing moves
+    assert placement_search(shape, base, need - 1, False, space, 1024, 16) is None  # on the CPU nothing to move
+    assert placement_search(shape, base, need - 1, True, space, 1024, 16) == \
+        PlacementSearch(PlacementKnob.experts, 4, (2, 4))  # the space's thread counts
     dense = ModelShape(**{**shape.__dict__, "n_expert": 0, "n_expert_used": 0})
-    assert placement_search(dense, base, need - 1, True, space, 1024) == PlacementSearch(PlacementKnob.layers, 4)
+    assert placement_search(dense, base, need - 1, True, SearchSpace(), 1024, 16) == \
+        PlacementSearch(PlacementKnob.layers, 4, (8, 15, 16))  # none listed: around the engines' default
+    set_threads = EngineConfig(model=tiny_moe, n_threads=6)
+    assert placement_search(dense, set_threads, need - 1, True, SearchSpace(), 1024, 16) == \
+        PlacementSearch(PlacementKnob.layers, 4)  # the base config sets them: not searched
 
     class Trial:  # an optuna.Trial's suggest_* API, taking the last choice / the upper bound
         def suggest_categorical(self, _: str, choices: list[Any]) -> Any:
@@ -135,8 +148,10 @@ def test_placement_is_searched_only_when_the_budget_needs_it(tiny_moe: Path) -> 
         def suggest_int(self, _: str, low: int, high: int) -> int:
             return high
 
-    drawn = suggest(Trial(), space, [1024], PlacementSearch(PlacementKnob.experts, 4))
+    drawn = suggest(Trial(), space, [1024], PlacementSearch(PlacementKnob.experts, 4, (2, 4)))
     assert drawn["n_cpu_moe"] == 4 and drawn["n_threads"] == 4 and "n_gpu_layers" not in drawn
+    assert suggest(Trial(), space, [1024], PlacementSearch(PlacementKnob.layers, 4, (6,)))["n_threads"] == 6
+    assert "n_threads" not in suggest(Trial(), space, [1024], PlacementSearch(PlacementKnob.layers, 4))
     assert "n_cpu_moe" not in suggest(Trial(), space, [1024], None)  # no placement: none of its settings
 
 

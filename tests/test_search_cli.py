@@ -106,7 +106,7 @@ def _gpu(node: str, total_gib: int, offload: bool = True) -> ReplicaPlace:
     """A free GPU as a probe on its node reports it."""
     gpu = DeviceMemory(0, "H200", total_gib * 2**30, 2**28) if offload else None
     return ReplicaPlace(replica="trial slot", node_id=node * 8, node_ip="10.0.0.1", hostname=f"host-{node}",
-                        visible_devices="0", gpus=(gpu,) if gpu else (), offload=offload)
+                        visible_devices="0", gpus=(gpu,) if gpu else (), offload=offload, threads=16)
 
 
 def test_offline_trials_take_their_device_and_budget_from_the_gpus_nodes_not_the_tuners_machine() -> None:

@@ -26,14 +26,15 @@ os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")  # Ctrl-C reaches main
 # Nothing heavy at the top: `--help` and a bad flag answer at once. Ray, Optuna and the engine (whose
 # serving/llama.py loads ray before libllama) are imported where they are first needed.
 from measure.workload import Workload  # noqa: E402
-from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, load_engine_config  # noqa: E402
+from serving.config import (CacheType, EngineConfig, FlashAttn, SpecMode, default_threads,  # noqa: E402
+                            load_engine_config)
 from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
 from tuning.options import REPO_ROOT, DeviceChoice, Sampler, SearchOptions, Where, parse_options  # noqa: E402
 from tuning.confirm import Candidate, Verdict  # noqa: E402
 from tuning.gpus import TrialSlots, free_gpu_places  # noqa: E402
 from tuning.report import Objective, TrialRow  # noqa: E402
 from tuning.space import (PlacementKnob, PlacementSearch, SearchSpace, SpaceFunction,  # noqa: E402
-                          to_engine_config)
+                          thread_choices, to_engine_config)
 from tuning.workloads import TrafficPlan, UserError, least_context, traffic_plan  # noqa: E402
 
 if TYPE_CHECKING:
@@ -208,16 +209,18 @@ def budget_bytes(opts: SearchOptions, on_gpu: bool, gpu_total: int | None = None
 
 
 def placement_search(shape: ModelShape, base: EngineConfig, budget: int, on_gpu: bool,
-                     space: SearchSpace, ctx: int) -> PlacementSearch | None:
+                     space: SearchSpace, ctx: int, threads: int) -> PlacementSearch | None:
     """None when the whole model fits with the smallest config; else what to move to host memory: a mixture
     of experts keeps its attention and shared weights on the GPU and moves experts (per token it reads only
-    the experts it is routed to, so this costs far less than moving whole layers); a dense model moves layers."""
+    the experts it is routed to, so this costs far less than moving whole layers); a dense model moves layers.
+    With it, the threads for the CPU's share: the space's list, else (unless the base config sets them) the
+    choices around `threads`, what the trial engines run by default."""
     smallest = cheapest_config(base, space, ctx)
     if not on_gpu or predict(shape, smallest, on_gpu).total <= budget:
         return None
-    if shape.n_expert:
-        return PlacementSearch(PlacementKnob.experts, shape.n_layer)
-    return PlacementSearch(PlacementKnob.layers, shape.n_layer)
+    knob = PlacementKnob.experts if shape.n_expert else PlacementKnob.layers
+    searched = tuple(space.n_threads) or (() if base.n_threads else thread_choices(threads))
+    return PlacementSearch(knob, shape.n_layer, searched)
 
 
 def cheapest_config(base: EngineConfig, space: SearchSpace, ctx: int) -> EngineConfig:
@@ -582,7 +585,8 @@ def run(opts: SearchOptions, session: Session) -> int:
     on_gpu = choose_device(opts, total, free, app, slots)
     budget = budget_bytes(opts, on_gpu, app.gpu_memory_total if app is not None else slots.gpu_memory_total)
     check_possible(shape, base, space, contexts[0], budget, on_gpu)
-    placement = placement_search(shape, base, budget, on_gpu, space, contexts[0])
+    threads = (app.threads if app is not None else slots.threads) or default_threads()
+    placement = placement_search(shape, base, budget, on_gpu, space, contexts[0], threads)
     # in place measures other conditions (live replicas, the whole device's memory): a study of its own
     where = "-inplace" if app is not None else ""
     on = f"-{traffic.workload.name}" if traffic is not None else ""

@@ -4,7 +4,8 @@ Every point it proposes is a valid EngineConfig: n_ubatch is clamped to n_batch,
 flash attention on, context is searched per slot and never below `min_ctx_per_slot` (the tuner must not
 win by starving context), placement is searched only when the weights do not fit the budget with the
 smallest config (`n_cpu_moe`, the layers whose experts live in host memory, for a mixture of experts; else
-`n_gpu_layers`; and `n_threads` for what the CPU then computes, when the space lists several), and
+`n_gpu_layers`; and `n_threads` for what the CPU then computes: the space's list, else `thread_choices`
+unless the base config sets it), and
 speculative decoding (`spec_mode`) only when the space lists more than `off`, its draft bound and busy-slot
 limit only for the configs that speculate (measure it with `--prompt-set both`: prompt lookup pays on text
 that copies its prompt).
@@ -44,7 +45,8 @@ class SearchSpace(BaseModel):
     spec_max_busy: list[int] = Field(default_factory=lambda: [1], description="speculate while at most this many "
                                      "slots are busy, with speculation on; one value = not searched")
     n_threads: list[int] = Field(default_factory=list, description="CPU threads to search when part of the "
-                                 "model lives in host memory; [] = the base config's")
+                                 "model lives in host memory; [] = all, one fewer and half of an engine's "
+                                 "default, unless the base config sets n_threads")
 
     @field_validator("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "spec_draft_max", "spec_max_busy")
     @classmethod
@@ -93,10 +95,21 @@ class PlacementKnob(str, Enum):
 
 @dataclass(frozen=True)
 class PlacementSearch:
-    """The placement setting searched, from 0 to `upper` (layers on the GPU, or layers whose experts are not)."""
+    """The placement setting searched, from 0 to `upper` (layers on the GPU, or layers whose experts are not),
+    and the thread counts searched with it (one: set, none: the base config's)."""
 
     knob: PlacementKnob
     upper: int
+    threads: tuple[int, ...] = ()
+
+
+def thread_choices(threads: int) -> tuple[int, ...]:
+    """Thread counts to search for what the CPU computes once part of the model lives in host memory, given
+    the threads an engine there runs by default (every CPU it may use): all, one fewer, and half. The CPU's
+    share decides the speed then (on the 16-core H100 machine an MoE with 29 layers' experts in host memory
+    decoded 1.5x faster on 16 threads than on 8: docs/performance.md), and one fewer leaves a core to the step
+    loop's Python and the HTTP path, which otherwise stall llama.cpp's barriers on a busy core."""
+    return tuple(sorted({threads, max(threads - 1, 1), max(threads // 2, 1)}))
 
 
 def suggest(trial: Any, space: SearchSpace, contexts: list[int], placement: PlacementSearch | None) -> dict[str, Any]:
@@ -116,10 +129,10 @@ def suggest(trial: Any, space: SearchSpace, contexts: list[int], placement: Plac
         params["flash_attn"] = trial.suggest_categorical("flash_attn", [f.value for f in space.flash_attn])
     if placement is not None:
         params[placement.knob.value] = trial.suggest_int(placement.knob.value, 0, placement.upper)
-        if len(space.n_threads) > 1:
-            params["n_threads"] = trial.suggest_categorical("n_threads", space.n_threads)
-        elif space.n_threads:
-            params["n_threads"] = space.n_threads[0]
+        if len(placement.threads) > 1:
+            params["n_threads"] = trial.suggest_categorical("n_threads", list(placement.threads))
+        elif placement.threads:
+            params["n_threads"] = placement.threads[0]
     if space.spec_mode != [SpecMode.off]:  # searched only when the space asks: it changes what is measured
         params["spec_mode"] = trial.suggest_categorical("spec_mode", [m.value for m in space.spec_mode])
     if params.get("spec_mode", SpecMode.off.value) != SpecMode.off.value:  # its settings matter only when on
