@@ -154,3 +154,23 @@ def test_format_table_empty(bd):
 def test_describe_error_names_the_limit(bd):
     assert bd.describe_error(TimeoutError(), 600) == "TimeoutError: phase exceeded 600 s"
     assert bd.describe_error(ValueError("bad"), 600) == "ValueError: bad"
+
+
+@pytest.mark.unit
+def test_a_pick_becomes_bench_device_settings(tmp_path) -> None:
+    """scripts/device/pick-settings.py turns the tuner's written pick into bench_device.py's `--placement`
+    settings (the GPU recipe benches the pick against llama-server --fit); a file without a pick fails."""
+    import subprocess
+    import sys
+
+    from serving.config import EngineConfig
+    from tuning.writeback import write_config
+
+    pick = EngineConfig(n_parallel=3, n_ctx=6144, n_batch=256, n_ubatch=128, n_cpu_moe=29, n_threads=15)
+    write_config(tmp_path / "tuned.yaml", pick, header="a pick")
+    out = subprocess.run([sys.executable, "scripts/device/pick-settings.py", str(tmp_path / "tuned.yaml")],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert "n_cpu_moe=29" in out and "n_threads=15" in out and "model" not in out
+    (tmp_path / "empty.yaml").write_text("# no pick\n")
+    assert subprocess.run([sys.executable, "scripts/device/pick-settings.py", str(tmp_path / "empty.yaml")],
+                          capture_output=True).returncode != 0

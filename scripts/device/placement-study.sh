@@ -4,8 +4,9 @@
 #   1. waits for setup.sh's llama.cpp build, writes the 27B-class dense model and a 30B-A3B-class mixture of
 #      experts (qwen3moe: 48 layers of 128 experts, 8 used);
 #   2. per model and VRAM budget (the MoE at MOE_BUDGET, the dense one at DENSE_BUDGET): what fits by the memory
-#      model (python -m tuning.fit: the most layers; for the MoE the fewest layers' experts in host memory), then
-#      scripts/bench_device.py on those placements (ours in-process, llama-server with the same flags) and
+#      model (python -m tuning.fit: the most layers; for the MoE the fewest layers' experts in host memory), and
+#      the tuner's own pick (python -m tuning.search --offline, TRIALS trials at that budget; TRIALS=0 skips it),
+#      then scripts/bench_device.py on those placements (ours in-process, llama-server with the same flags) and
 #      llama-server --fit on seeing the same free memory; predicted against measured VRAM and host RAM for each.
 # JOBS (default "moe dense") picks the models. OUT/progress.log says where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow.
 set -uo pipefail
@@ -34,6 +35,12 @@ for name in ${JOBS:-moe dense}; do
   places=(--placement "layers:n_gpu_layers=$layers")
   if [ "$experts" != "None" ]; then
     places+=(--placement "experts:n_cpu_moe=$experts" --placement "experts-t8:n_cpu_moe=$experts,n_threads=8")
+  fi
+  if [ "${TRIALS:-8}" -gt 0 ]; then
+    python3 -m tuning.search --offline --no-apply --model "$model" --vram-budget "$budget" --trials "${TRIALS:-8}" \
+      --out "$OUT/tuned_$name.yaml" --results-dir "$OUT/study_$name" > "$OUT/study_$name.txt" 2>&1
+    say "$name study rc=$?"
+    pick=$(python3 scripts/device/pick-settings.py "$OUT/tuned_$name.yaml") && places+=(--placement "tuned:$pick")
   fi
   python3 scripts/bench_device.py --model "$model" --llama-server "$SERVER" --configs "" "${places[@]}" \
     --fit-budget "$budget" "${BENCH[@]}" --json-out "$OUT/placement_$name.json" > "$OUT/placement_$name.txt" 2>&1
