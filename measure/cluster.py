@@ -35,6 +35,13 @@ WITH_CTRL_C = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_
 REPO = Path(__file__).resolve().parents[1]
 
 
+def cli(name: str) -> str:
+    """Ray's command `name` (ray, serve) of this interpreter's environment, where a venv that is not activated
+    keeps it; else the one on PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() else name
+
+
 @dataclass
 class LocalCluster:
     """The cluster's address and environment, and its worker nodes by name (`node_a` is the head)."""
@@ -83,7 +90,7 @@ class LocalCluster:
     def _ray_start(self, args: list[str], gpus: int, cpus: int) -> None:
         name = f"node_{chr(ord('a') + len(self.nodes))}"
         env = {**self.env, "RAY_ADDRESS": ""}
-        subprocess.run(["ray", "start", *args, f"--num-gpus={gpus}", f"--num-cpus={cpus}", "--disable-usage-stats",
+        subprocess.run([cli("ray"), "start", *args, f"--num-gpus={gpus}", f"--num-cpus={cpus}", "--disable-usage-stats",
                         f"--resources={json.dumps({name: 1})}"], env=env, check=True, timeout=START_TIMEOUT_S,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.nodes.append(name)
@@ -136,8 +143,8 @@ class ClusterApp:
         self.log = work_dir / f"serve-{tag}.log"
         self.url = f"http://127.0.0.1:{self.port}"
         with self.log.open("wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-c", WITH_CTRL_C, "serve", "run", str(config)], cwd=REPO,
-                                         env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([sys.executable, "-c", WITH_CTRL_C, cli("serve"), "run", str(config)],
+                                         cwd=REPO, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
 
     def health(self, url: str | None = None) -> dict[str, Any]:
         """/health's body ({} when it does not answer), at the app's port or at `url` (a replica's own port)."""
@@ -173,6 +180,32 @@ class ClusterApp:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=30)
+
+
+DIRECT_PORTS = 20  # ports Serve may give the ingress replicas under direct ingress, from the first
+
+
+def direct_ingress_settings(first_port: int) -> dict[str, str]:
+    """Serve's direct ingress (cluster-wide, at `ray start`): the ingress replica answers HTTP on a port of its own,
+    from `first_port` on."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first_port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first_port + DIRECT_PORTS)}
+
+
+def direct_url(app: ClusterApp, first_port: int, timeout_s: float) -> str:
+    """The URL of the ingress replica under direct ingress: the first port of its range that answers."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for port in range(first_port, first_port + DIRECT_PORTS):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                return f"http://127.0.0.1:{port}"
+            except httpx.HTTPError:
+                continue
+        if app.proc.poll() is not None:
+            raise RuntimeError(f"serve run ended: {app.log.read_text()[-3000:]}")
+        time.sleep(1)
+    raise RuntimeError(f"no ingress replica answered on ports {first_port}+ within {timeout_s:.0f} s")
 
 
 def all_serving(replicas: int) -> Callable[[dict[str, Any]], bool]:

@@ -10,8 +10,10 @@ the same run.
     python scripts/bench_http_path.py --variant default --variant 't1:n_threads=1' \\
         --variant 'no-thread:env:RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0' --repeats 5
 
-A server started another way (e.g. with Serve's cluster-wide switches, which a variant cannot set) joins the
-same interleaved rounds with `--server NAME=URL` (its API root, e.g. http://127.0.0.1:30000/v1).
+Serve's direct ingress is cluster-wide (set at `ray start`), so a variant cannot have it: `--direct` runs the
+app in a Ray of its own under direct ingress and measures its ingress replica's own port in the same rounds
+(`--direct 'thin:ingress=engine'`: the engine replica takes HTTP itself, no hop at all). A server started
+another way joins with `--server NAME=URL` (its API root, e.g. http://127.0.0.1:30000/v1).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,9 +37,11 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
 from measure import serve_app  # noqa: E402
+from measure.cluster import ClusterApp, LocalCluster, direct_ingress_settings, direct_url  # noqa: E402
+from measure.device import Gpu  # noqa: E402
 from measure.metrics import PairedGap, RoundFigures, paired_gap, paired_ratios, ratios, stream_figures  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
-from measure.targets import HttpTarget, loaded_engine  # noqa: E402
+from measure.targets import HttpTarget, free_loopback_port, loaded_engine  # noqa: E402
 from measure.workload import Prompt, Runner, Target, Workload  # noqa: E402
 from serving.config import load_engine_config  # noqa: E402
 
@@ -70,6 +76,28 @@ class Variant:
         return cls(name, args, env)
 
 
+@contextlib.contextmanager
+def direct_app(variant: Variant, overrides: dict[str, str], timeout_s: float) -> Iterator[str]:
+    """`serve run` of the app with `variant`'s words, in a Ray of its own under Serve's direct ingress (its
+    environment added to every node's); yields the API root of its ingress replica's own port."""
+    first_port = free_loopback_port()
+    gpus = 1 if Gpu.open() is not None else 0
+    cluster = LocalCluster.start(gpus_per_node=gpus, cpus_per_node=os.cpu_count() or 1, workers=0,
+                                 settings={**direct_ingress_settings(first_port), **variant.env})
+    work = Path(tempfile.mkdtemp(prefix="direct-"))
+    app = None
+    try:
+        app = ClusterApp(cluster, work, {"config": "configs/default.yaml", **overrides, **variant.args})
+        url = direct_url(app, first_port, timeout_s)
+        app.wait(lambda health: health.get("status") == "ok", "/health ok", timeout_s, url=url)
+        print(f"  {variant.name}: direct ingress at {url} (serve run log {app.log})", file=sys.stderr)
+        yield f"{url}/v1"
+    finally:
+        if app is not None:
+            app.stop()
+        cluster.stop()
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides = dict(word.split("=", 1) for word in args.engine)
     config = load_engine_config(REPO_ROOT / "configs" / "default.yaml", overrides)
@@ -77,7 +105,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         async with contextlib.AsyncExitStack() as stack:
             targets: list[Target] = [stack.enter_context(loaded_engine(config, IN_PROCESS))]
-            for name, url in args.server:
+            servers = list(args.server)
+            for v in args.direct:
+                servers.append((v.name, stack.enter_context(direct_app(v, overrides, args.load_timeout))))
+            for name, url in servers:
                 server = HttpTarget(name, url)
                 stack.push_async_callback(server.aclose)
                 await server.preflight()
@@ -96,6 +127,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"provenance": provenance(), "engine_config": config.to_yaml_dict(),
             "variants": {v.name: {"args": v.args, "env": v.env} for v in args.variant},
             "servers": dict(args.server),
+            "direct": {v.name: {"args": v.args, "env": v.env} for v in args.direct},
             "results": {name: {str(n): level.as_dict() for n, level in levels.items()}
                         for name, levels in results.items()},
             "ratios": {name: {str(n): ratios(level.median, reference[n].median) for n, level in levels.items()}
@@ -180,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", type=Variant.parse, action="append", default=[],
                    help="name[:KEY=VALUE,...][:env:NAME=VALUE,...]; repeat for more")
+    p.add_argument("--direct", type=Variant.parse, action="append", default=[],
+                   help="name[:KEY=VALUE,...][:env:NAME=VALUE,...]: the app in a Ray of its own under Serve's direct "
+                        "ingress, measured at its ingress replica's port; repeat for more")
     p.add_argument("--server", type=_named_url, action="append", default=[], metavar="NAME=URL",
                    help="also measure a server already running at URL (its API root); repeat for more")
     p.add_argument("--engine", action="append", default=["n_parallel=4", "n_ctx=4096"], metavar="KEY=VALUE",
@@ -201,8 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if saved.get("probe_ttft_ms"):
             print(probe_table(saved["probe_ttft_ms"]))
         return 0
-    if not args.variant and not args.server:
-        p.error("give at least one --variant or --server")
+    if not args.variant and not args.server and not args.direct:
+        p.error("give at least one --variant, --direct or --server")
     report = asyncio.run(run(args))
     print(table(report))
     if report["probe_ttft_ms"]:

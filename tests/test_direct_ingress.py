@@ -11,7 +11,6 @@ import importlib.util
 import json
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from measure.cluster import ClusterApp, LocalCluster
+from measure.cluster import ClusterApp, LocalCluster, direct_ingress_settings, direct_url
 from measure.targets import free_loopback_port
 
 pytestmark = pytest.mark.cluster
@@ -29,8 +28,7 @@ KEY = "sk-thin-path"
 
 
 def _settings(mode: str, temp: Path, ingress_port: int) -> dict[str, str]:
-    settings = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(ingress_port),
-                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ingress_port + 20)}
+    settings = direct_ingress_settings(ingress_port)
     if mode == "haproxy":  # its files and ports apart from any other HAProxy on this machine
         settings |= {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_STATS_PORT": str(free_loopback_port()),
                      "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_loopback_port()),
@@ -57,7 +55,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     try:
         app = ClusterApp(cluster, work, {"config": "configs/default.yaml", "n_parallel": 2, "n_ctx": 1024,
                                          "api_key": KEY, "config_poll_s": 0.2, **engine_front})
-        url = app.url if mode == "haproxy" else _ingress_url(app, ingress_port)
+        url = app.url if mode == "haproxy" else direct_url(app, ingress_port, READY_S)
         app.wait(lambda health: health.get("status") == "ok", "/health ok", READY_S, url=url)  # ingress=engine: its own
         yield mode, url
     finally:
@@ -65,22 +63,6 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             app.stop()
         cluster.stop()
         shutil.rmtree(files, ignore_errors=True)
-
-
-def _ingress_url(app: ClusterApp, first_port: int) -> str:
-    """The port Serve gave the ingress replica: the first of its range that answers."""
-    deadline = time.monotonic() + READY_S
-    while time.monotonic() < deadline:
-        for port in range(first_port, first_port + 20):
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-                return f"http://127.0.0.1:{port}"
-            except httpx.HTTPError:
-                continue
-        if app.proc.poll() is not None:
-            raise RuntimeError(f"serve run ended: {app.log.read_text()[-3000:]}")
-        time.sleep(1)
-    raise RuntimeError(f"no ingress replica answered on ports {first_port}+ within {READY_S:.0f} s")
 
 
 def _auth() -> dict[str, str]:
@@ -117,3 +99,24 @@ def test_the_control_routes_answer_for_every_replica(served: tuple[str, str]) ->
     assert slots.status_code == 200 and len(slots.json()["replicas"]) == 1, slots.text
     metrics = httpx.get(f"{url}/metrics", headers=_auth(), timeout=60)
     assert metrics.status_code == 200 and "llm_requests_total" in metrics.text, metrics.text[:500]
+
+
+def test_the_benchmark_measures_the_app_under_direct_ingress_on_a_ray_of_its_own() -> None:
+    """scripts/bench_http_path.py --direct: the app in a Ray of its own under direct ingress, the engine replica
+    taking HTTP itself; what it yields is the API root clients of that port use, and it stops all it started."""
+    from tests.helpers import script_module
+
+    bench = next(modules := script_module("bench_http_path"))
+    try:
+        variant = bench.Variant.parse("thin:ingress=engine")
+        with bench.direct_app(variant, {"n_parallel": "1", "n_ctx": "512"}, READY_S) as api:
+            models = httpx.get(f"{api}/models", timeout=30)
+            assert models.status_code == 200 and models.json()["data"], models.text
+            body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+            answer = httpx.post(f"{api}/completions", json=body, timeout=120)
+            assert answer.status_code == 200 and 1 <= answer.json()["usage"]["completion_tokens"] <= 4, answer.text
+            assert answer.json()["choices"][0]["finish_reason"] in ("length", "stop"), answer.text
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{api}/models", timeout=5)  # stopped with the block
+    finally:
+        modules.close()

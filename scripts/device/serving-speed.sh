@@ -6,7 +6,8 @@
 #      scripts/bench_constrained.py on the embedded model (SMOL, a real model): each constraint as the server
 #      compiles it (llguidance) and as GBNF, beside its unconstrained twin, and llama-server on the same requests;
 #   3. scripts/bench_http_path.py on the embedded model: TTFT and decode through the server (the relay, and
-#      ingress=engine) against the engine in-process, one stream and four, and the first-token probe;
+#      ingress=engine, through Serve's proxy; and ingress=engine under Serve's direct ingress, the thinnest path)
+#      against the engine in-process, one stream and four, and the first-token probe;
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
 #      llama-server --cache-ram 8192 and 0.
 # SMOL: the embedded GGUF (default: where install-embedded.sh installed it). OUT/progress.log says
@@ -33,7 +34,8 @@ say "constrained rc=$?"
 
 say "HTTP path (embedded model)"
 ray stop --force > /dev/null 2>&1
-python3 scripts/bench_http_path.py --variant default --variant 'engine:ingress=engine' --engine model="$SMOL" \
+python3 scripts/bench_http_path.py --variant default --variant 'engine:ingress=engine' \
+  --direct 'direct-engine:ingress=engine' --engine model="$SMOL" \
   --engine n_parallel=4 --engine n_ctx=4096 --max-tokens 64 --repeats "${HTTP_REPEATS:-10}" --probe 100 \
   --json-out "$OUT/bench_http_path_$GPU.json" \
   > "$OUT/http_path.txt" 2>&1
