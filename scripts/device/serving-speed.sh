@@ -31,6 +31,11 @@ say "constrained (embedded model)"
 python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" --llama-server "$SERVER" \
   --out "$OUT/bench_constrained_$GPU.json" > "$OUT/constrained.txt" 2>&1
 say "constrained rc=$?"
+# the same with 4 CPU threads, ours alone: whether the host time around the grammar is llama.cpp's idle CPU threads
+# (16 here, for the CPU's small share of a fully offloaded model) crowding the sampler's Python
+python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" --threads 4 \
+  --out "$OUT/bench_constrained_t4_$GPU.json" > "$OUT/constrained_t4.txt" 2>&1
+say "constrained, 4 threads rc=$?"
 
 say "HTTP path (embedded model)"
 ray stop --force > /dev/null 2>&1
