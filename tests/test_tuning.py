@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, embedded_model_path, load_engine_config
-from tuning.memory import CPU_RUNTIME_OVERHEAD, GiB, ModelShape, kv_cache_bytes, parse_bytes, predict
+from tuning.memory import GPU_PROCESS_HOST_OVERHEAD, GiB, ModelShape, kv_cache_bytes, parse_bytes, predict
 from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
 from tuning.results import TrialResult
 from tuning.space import SearchSpace, suggest, to_engine_config
@@ -467,7 +467,7 @@ def test_tied_output_layer_is_counted(shape: ModelShape) -> None:
     assert half.host == pytest.approx(shape.weight_bytes - on_gpu_blocks - tensors["output_norm.weight"]
                                       + half.compute + (1 - (shape.n_layer - first) / shape.n_layer)
                                       * kv_cache_bytes(shape, EngineConfig(n_parallel=1, n_ctx=1024))
-                                      + CPU_RUNTIME_OVERHEAD, abs=1024)
+                                      + GPU_PROCESS_HOST_OVERHEAD, abs=1024)
 
 
 @pytest.mark.engine

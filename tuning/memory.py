@@ -35,6 +35,10 @@ CACHE_TYPE_BYTES: dict[CacheType, float] = {
 GPU_RUNTIME_OVERHEAD = 600 * MiB
 # a CPU process: the Python interpreter and llama.cpp's host-side state
 CPU_RUNTIME_OVERHEAD = 64 * MiB
+# a GPU process's host memory beyond its tensors: the CUDA driver and runtime libraries it maps (cuBLAS among
+# them), and the interpreter. Set from the H100 run of 2026-12-05 (docs/performance.md): eight placements'
+# RSS over their host tensors, llama-server's and ours, 0.17-0.77 GiB; 64 MiB had predicted 2-8% low.
+GPU_PROCESS_HOST_OVERHEAD = 480 * MiB
 
 
 @dataclass(frozen=True)
@@ -178,7 +182,7 @@ def predict(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryEsti
     extra = _one_model(_shape_of(path, path.stat().st_mtime_ns), draft, on_gpu)
     return MemoryEstimate(weights=own.weights + extra.weights, kv_cache=own.kv_cache + extra.kv_cache,
                           compute=own.compute + extra.compute, overhead=own.overhead,
-                          host=own.host + extra.host - CPU_RUNTIME_OVERHEAD)
+                          host=own.host + extra.host - (GPU_PROCESS_HOST_OVERHEAD if on_gpu else CPU_RUNTIME_OVERHEAD))
 
 
 @functools.lru_cache(maxsize=8)
@@ -238,7 +242,7 @@ def _one_model(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryE
     kv_gpu = kv * placed.gpu_layers // shape.n_layer if config.kv_offload else 0
     cpu_compute = compute if placed.host > shape.token_embd_bytes or kv_gpu < kv else 0
     return MemoryEstimate(weights=placed.gpu, kv_cache=kv_gpu, compute=compute, overhead=GPU_RUNTIME_OVERHEAD,
-                          host=placed.host + (kv - kv_gpu) + cpu_compute + CPU_RUNTIME_OVERHEAD)
+                          host=placed.host + (kv - kv_gpu) + cpu_compute + GPU_PROCESS_HOST_OVERHEAD)
 
 
 def parse_bytes(text: str) -> int:
