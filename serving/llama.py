@@ -394,7 +394,7 @@ class Candidates:
         return arr
 
 
-GREEDY_TRIES = 32  # a GBNF-constrained greedy step checks this many best tokens one by one before a full pass
+GREEDY_TRIES = 32  # a constrained greedy step checks this many best tokens one by one before a full pass
 
 
 class SamplerChain:
@@ -404,12 +404,14 @@ class SamplerChain:
     A constraint is applied the way llama-server applies a grammar: sample without it, and only if it rejects
     that token, sample again from what it allows. That draws from the distribution restricted to the
     constraint (rejection sampling) and costs one check on the tokens the model gets right.
-    - A guide (llguidance: response_format, forced tool calls) checks the token in microseconds; on a
+    - A guide (llguidance: response_format, forced tool calls) checks a token in about a microsecond; on a
       rejection it computes the mask of allowed tokens (tens of microseconds) and samples from the masked
-      logits (greedy: their argmax).
+      logits.
     - A GBNF grammar (a client's raw `grammar`) goes through llama.cpp's grammar sampler, whose pass over
-      the vocabulary costs milliseconds: greedy with nothing else in the chain tries the best candidates in
-      order of logit, one single-token check each (GREEDY_TRIES of them), before that pass.
+      the vocabulary costs milliseconds.
+    - Greedy with nothing else in the chain, under either, tries the best candidates in order of logit, one
+      single-token check each (GREEDY_TRIES of them), before that mask or pass: most rejections end within a
+      few checks, where a mask costs tens of microseconds and masking the vocabulary's logits more.
     """
 
     def __init__(self, ctx: LlamaContext, params: SamplingParams, default_seed: int) -> None:
@@ -439,10 +441,14 @@ class SamplerChain:
     def sample(self, row: int) -> int:
         """Choose the next token from the logits of batch row `row`, and accept it."""
         logits = self._ctx.logits(row)
-        if self._guide is not None:
-            token = self._guided(self._guide, logits)
+        guide = self._guide
+        if self._argmax and guide is not None:
+            token = self._greedy_allowed(logits, lambda t: guide.validate_tokens([t]) == 1,
+                                         lambda: int(self._masked(guide, logits).argmax()))
+        elif guide is not None:
+            token = self._guided(guide, logits)
         elif self._argmax and self._grammar is not None:
-            token = self._greedy_allowed(logits)
+            token = self._greedy_allowed(logits, self._allows, lambda: self._select(logits, grammar_first=True))
         else:
             token = self._select(logits, grammar_first=False)
             if self._grammar is not None and not self._allows(token):
@@ -456,16 +462,20 @@ class SamplerChain:
         return token
 
     def _guided(self, guide: LLMatcher, logits: np.ndarray) -> int:
-        token = int(logits.argmax()) if self._argmax else self._select(logits, grammar_first=False)
+        """A sampled token under a guide: drawn without it, and if refused, drawn from the masked logits."""
+        token = self._select(logits, grammar_first=False)
         if guide.validate_tokens([token]) == 1:
             return token
         self.resamples += 1
+        return self._select(self._masked(guide, logits), grammar_first=False)
+
+    def _masked(self, guide: LLMatcher, logits: np.ndarray) -> np.ndarray:
+        """The logits with every token the guide refuses at -inf."""
         guide.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
         allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[:len(logits)].astype(bool)
         if not allowed.any():
             raise RuntimeError(f"the constraint allows no token: {guide.get_error() or guide.stop_reason()}")
-        masked = np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
-        return int(masked.argmax()) if self._argmax else self._select(masked, grammar_first=False)
+        return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def _select(self, logits: np.ndarray, grammar_first: bool) -> int:
         cur = self._ctx.candidates.fill(logits)
@@ -477,20 +487,22 @@ class SamplerChain:
             raise RuntimeError("the sampler chain selected no token")
         return int(cur.data[cur.selected].id)
 
-    def _greedy_allowed(self, logits: np.ndarray) -> int:
-        """The highest-logit token the grammar allows (ties: the lowest id, as llama.cpp's greedy sampler
-        over the vocabulary in id order), trying the best GREEDY_TRIES one by one before a full pass."""
+    def _greedy_allowed(self, logits: np.ndarray, allows: Callable[[int], bool],
+                        full_pass: Callable[[], int]) -> int:
+        """The highest-logit token the constraint allows (ties: the lowest id, as llama.cpp's greedy sampler
+        over the vocabulary in id order), trying the best GREEDY_TRIES one by one (`allows`) before
+        `full_pass`, which picks the same token from every allowed one."""
         token = int(logits.argmax())
-        if self._allows(token):
+        if allows(token):
             return token
         self.resamples += 1
         rest = logits.copy()  # the next best, one argmax at a time: most rejections end within a few
         for _ in range(GREEDY_TRIES):
             rest[token] = -np.inf
             token = int(rest.argmax())
-            if self._allows(token):
+            if allows(token):
                 return token
-        return self._select(logits, grammar_first=True)
+        return full_pass()
 
     def _allows(self, token: int) -> bool:
         cur = self._ctx.candidates.single(token)

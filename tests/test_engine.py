@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from serving.errors import PromptTooLongError
-from serving.request import FinishReason, SamplingParams
+from serving.request import ConstraintKind, FinishReason, SamplingParams
 from tests.helpers import collect
 
 if TYPE_CHECKING:
@@ -214,32 +216,48 @@ def test_slot_files_save_erase_and_restore_into_another_slot(engine: Engine, tmp
         two.close()
 
 
-def test_constrained_greedy_takes_the_best_token_the_grammar_allows_as_the_full_pass_does() -> None:
-    """Greedy under a grammar checks the best tokens one by one instead of a pass over the vocabulary: it must
-    pick what the full pass picks, whether the best allowed token ranks 2nd, 30th or beyond the tries."""
+def _one_by_one_and_full_pass(chain: Any) -> tuple[Callable[[int], bool], Callable[[Any], int]]:
+    """A sampler's single-token check and its full pass (GBNF: llama.cpp's grammar over the vocabulary; a
+    guide: llguidance's mask), as its greedy step uses them."""
+    guide = chain._guide
+    if guide is None:
+        return chain._allows, partial(chain._select, grammar_first=True)
+    return (lambda t: bool(guide.validate_tokens([t]) == 1)), \
+        (lambda values: int(chain._masked(guide, values).argmax()))
+
+
+@pytest.mark.parametrize("kind", [ConstraintKind.gbnf, ConstraintKind.guide])
+def test_constrained_greedy_takes_the_best_allowed_token_as_the_full_pass_does(kind: ConstraintKind) -> None:
+    """Greedy under a grammar (GBNF) or a guide (llguidance) checks the best tokens one by one instead of a pass
+    over the vocabulary or a mask: it must pick what the full pass picks, whether the best allowed token ranks
+    2nd, 30th or beyond the tries."""
     import numpy as np
 
     from serving.config import EngineConfig, embedded_model_path
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     from serving.llama import GREEDY_TRIES, LlamaContext, LlamaModel, SamplerChain
-    from serving.request import Constraint, ConstraintKind
+    from serving.request import Constraint
+    from serving.structured import json_schema_guide
 
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     model = LlamaModel(embedded_model_path(), n_gpu_layers=0)
     ctx = LlamaContext(model, EngineConfig(n_parallel=1, n_ctx=256), 1)
-    grammar = Constraint(ConstraintKind.gbnf, json_schema_to_gbnf(json.dumps(
-        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})))
+    constraint = Constraint(kind, json_schema_to_gbnf(json.dumps(schema))) if kind is ConstraintKind.gbnf \
+        else json_schema_guide(schema)
     rng = np.random.default_rng(7)
     try:
         for rank in (1, 2, 5, GREEDY_TRIES, GREEDY_TRIES + 5, 400):
-            chain = SamplerChain(ctx, SamplingParams(temperature=0.0, constraint=grammar), 1)
+            chain = SamplerChain(ctx, SamplingParams(temperature=0.0, constraint=constraint), 1)
+            allows, full = _one_by_one_and_full_pass(chain)
             try:
                 logits = rng.standard_normal(ctx.n_vocab).astype(np.float32)
-                allowed = chain._select(logits, grammar_first=True)  # the best token the grammar allows
+                allowed = full(logits)  # the best token the constraint allows
                 order = np.sort(logits)[::-1]
                 logits[allowed] = order[rank - 1] + 1e-4 if rank > 1 else order[0] + 1.0  # now ranks about `rank`
-                full = chain._select(logits, grammar_first=True)
-                assert chain._greedy_allowed(logits) == full == allowed, rank
+                best = full(logits)
+                assert chain._greedy_allowed(logits, allows, partial(full, logits)) == best == allowed, rank
+                assert chain.resamples == (rank > 1)
             finally:
                 chain.free()
     finally:
