@@ -409,9 +409,10 @@ class SamplerChain:
       logits.
     - A GBNF grammar (a client's raw `grammar`) goes through llama.cpp's grammar sampler, whose pass over
       the vocabulary costs milliseconds.
-    - Greedy with nothing else in the chain, under either, tries the best candidates in order of logit, one
-      single-token check each (GREEDY_TRIES of them), before that mask or pass: most rejections end within a
-      few checks, where a mask costs tens of microseconds and masking the vocabulary's logits more.
+    - Greedy with nothing else in the chain, once the model's choice is refused, tries the next candidates in
+      order of logit (GREEDY_TRIES of them) before a full pass: under GBNF one single-token check each, under
+      a guide one lookup each in its mask, so that the vocabulary's logits are masked only when none of them
+      is allowed (on the development CPU the masking costs more than the mask).
     """
 
     def __init__(self, ctx: LlamaContext, params: SamplingParams, default_seed: int) -> None:
@@ -443,12 +444,11 @@ class SamplerChain:
         logits = self._ctx.logits(row)
         guide = self._guide
         if self._argmax and guide is not None:
-            token = self._greedy_allowed(logits, lambda t: guide.validate_tokens([t]) == 1,
-                                         lambda: int(self._masked(guide, logits).argmax()))
+            token = self._greedy_guided(guide, logits)
         elif guide is not None:
             token = self._guided(guide, logits)
         elif self._argmax and self._grammar is not None:
-            token = self._greedy_allowed(logits, self._allows, lambda: self._select(logits, grammar_first=True))
+            token = self._greedy_grammar(logits)
         else:
             token = self._select(logits, grammar_first=False)
             if self._grammar is not None and not self._allows(token):
@@ -469,13 +469,37 @@ class SamplerChain:
         self.resamples += 1
         return self._select(self._masked(guide, logits), grammar_first=False)
 
+    def _greedy_guided(self, guide: LLMatcher, logits: np.ndarray) -> int:
+        """Greedy under a guide: the model's choice if llguidance's check takes it; else the best token of the
+        guide's mask, which keeps text the grammar forces in its canonical tokens (where the check would take
+        any split of it: "g" then "et" for "get")."""
+        token = int(logits.argmax())
+        if guide.validate_tokens([token]) == 1:
+            return token
+        self.resamples += 1
+        allowed = self._allowed(guide, len(logits))
+        return self._next_allowed(logits, token, lambda t: bool(allowed[t]),
+                                  lambda: int(_masked(logits, allowed).argmax()))
+
+    def _greedy_grammar(self, logits: np.ndarray) -> int:
+        """Greedy under a GBNF grammar: its single-token check, one candidate at a time, before a full pass."""
+        token = int(logits.argmax())
+        if self._allows(token):
+            return token
+        self.resamples += 1
+        return self._next_allowed(logits, token, self._allows, lambda: self._select(logits, grammar_first=True))
+
     def _masked(self, guide: LLMatcher, logits: np.ndarray) -> np.ndarray:
         """The logits with every token the guide refuses at -inf."""
+        return _masked(logits, self._allowed(guide, len(logits)))
+
+    def _allowed(self, guide: LLMatcher, n_vocab: int) -> np.ndarray:
+        """The guide's mask as one bool per token; an error if it allows none."""
         guide.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
-        allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[:len(logits)].astype(bool)
+        allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[:n_vocab].astype(bool)
         if not allowed.any():
             raise RuntimeError(f"the constraint allows no token: {guide.get_error() or guide.stop_reason()}")
-        return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+        return allowed
 
     def _select(self, logits: np.ndarray, grammar_first: bool) -> int:
         cur = self._ctx.candidates.fill(logits)
@@ -487,16 +511,14 @@ class SamplerChain:
             raise RuntimeError("the sampler chain selected no token")
         return int(cur.data[cur.selected].id)
 
-    def _greedy_allowed(self, logits: np.ndarray, allows: Callable[[int], bool],
-                        full_pass: Callable[[], int]) -> int:
-        """The highest-logit token the constraint allows (ties: the lowest id, as llama.cpp's greedy sampler
-        over the vocabulary in id order), trying the best GREEDY_TRIES one by one (`allows`) before
-        `full_pass`, which picks the same token from every allowed one."""
-        token = int(logits.argmax())
-        if allows(token):
-            return token
-        self.resamples += 1
-        rest = logits.copy()  # the next best, one argmax at a time: most rejections end within a few
+    @staticmethod
+    def _next_allowed(logits: np.ndarray, refused: int, allows: Callable[[int], bool],
+                      full_pass: Callable[[], int]) -> int:
+        """After the best token was refused: the next best the constraint `allows`, one argmax at a time (most
+        rejections end within a few), GREEDY_TRIES of them before `full_pass`, which picks the same token from
+        every allowed one (ties: the lowest id, as llama.cpp's greedy sampler over the vocabulary in id order)."""
+        rest = logits.copy()
+        token = refused
         for _ in range(GREEDY_TRIES):
             rest[token] = -np.inf
             token = int(rest.argmax())
@@ -516,6 +538,10 @@ class SamplerChain:
         if self._grammar is not None:
             ll.llama_sampler_free(self._grammar)
             self._grammar = None
+
+
+def _masked(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
 
 
 def _samplers_for(params: SamplingParams, default_seed: int, n_vocab: int) -> list[ll.llama_sampler_p]:

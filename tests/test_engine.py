@@ -216,14 +216,45 @@ def test_slot_files_save_erase_and_restore_into_another_slot(engine: Engine, tmp
         two.close()
 
 
-def _one_by_one_and_full_pass(chain: Any) -> tuple[Callable[[int], bool], Callable[[Any], int]]:
-    """A sampler's single-token check and its full pass (GBNF: llama.cpp's grammar over the vocabulary; a
-    guide: llguidance's mask), as its greedy step uses them."""
+def _greedy_and_full_pass(chain: Any) -> tuple[Callable[[Any], int], Callable[[Any], int]]:
+    """A sampler's greedy step under its constraint, and the full pass it must agree with (GBNF: llama.cpp's
+    grammar over the vocabulary; a guide: the argmax of the logits under llguidance's mask)."""
     guide = chain._guide
     if guide is None:
-        return chain._allows, partial(chain._select, grammar_first=True)
-    return (lambda t: bool(guide.validate_tokens([t]) == 1)), \
-        (lambda values: int(chain._masked(guide, values).argmax()))
+        return chain._greedy_grammar, partial(chain._select, grammar_first=True)
+    return partial(chain._greedy_guided, guide), lambda values: int(chain._masked(guide, values).argmax())
+
+
+def test_guided_greedy_keeps_forced_text_in_its_canonical_tokens() -> None:
+    """Where a guide forces text (a tool's name), its mask allows only the canonical token ("get"), where
+    llguidance's single-token check also takes a split ("g"): once the model's choice is refused, greedy
+    follows the mask, even when the split ranks higher."""
+    import numpy as np
+
+    from serving.config import EngineConfig, embedded_model_path
+    from serving.llama import LlamaContext, LlamaModel, SamplerChain
+    from serving.structured import tool_call_guide
+
+    model = LlamaModel(embedded_model_path(), n_gpu_layers=0)
+    ctx = LlamaContext(model, EngineConfig(n_parallel=1, n_ctx=256), 1)
+    call = tool_call_guide([("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}})],
+                           parallel=False)
+    chain = SamplerChain(ctx, SamplingParams(temperature=0.0, constraint=call), 1)
+    try:
+        guide = chain._guide
+        assert guide is not None
+        for token in model.tokenize('<tool_call>\n{"name": "', add_special=False, parse_special=True):
+            assert guide.consume_token(token)
+        split, canonical, refused = (model.tokenize(t, add_special=False, parse_special=False)[0]
+                                     for t in ("g", "get", "{"))
+        assert guide.validate_tokens([split]) == 1 and not chain._allowed(guide, ctx.n_vocab)[split]
+        logits = np.zeros(ctx.n_vocab, dtype=np.float32)
+        logits[[refused, split, canonical]] = [3.0, 2.0, 1.0]
+        assert chain._greedy_guided(guide, logits) == canonical and chain.resamples == 1
+    finally:
+        chain.free()
+        ctx.free()
+        model.free()
 
 
 @pytest.mark.parametrize("kind", [ConstraintKind.gbnf, ConstraintKind.guide])
@@ -249,14 +280,14 @@ def test_constrained_greedy_takes_the_best_allowed_token_as_the_full_pass_does(k
     try:
         for rank in (1, 2, 5, GREEDY_TRIES, GREEDY_TRIES + 5, 400):
             chain = SamplerChain(ctx, SamplingParams(temperature=0.0, constraint=constraint), 1)
-            allows, full = _one_by_one_and_full_pass(chain)
+            greedy, full = _greedy_and_full_pass(chain)
             try:
                 logits = rng.standard_normal(ctx.n_vocab).astype(np.float32)
                 allowed = full(logits)  # the best token the constraint allows
                 order = np.sort(logits)[::-1]
                 logits[allowed] = order[rank - 1] + 1e-4 if rank > 1 else order[0] + 1.0  # now ranks about `rank`
                 best = full(logits)
-                assert chain._greedy_allowed(logits, allows, partial(full, logits)) == best == allowed, rank
+                assert greedy(logits) == best == allowed, rank
                 assert chain.resamples == (rank > 1)
             finally:
                 chain.free()
