@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cli(name: str) -> str:
-    """Ray's command `name` (ray, serve) of this interpreter's environment, where a venv that is not activated
-    keeps it; else the one on PATH."""
+    """The console script `name` (ray, serve, schemathesis) of this interpreter's environment, where a venv that
+    is not activated keeps it; else the one on PATH."""
     beside = Path(sys.executable).parent / name
     return str(beside) if beside.is_file() else name
 

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from _loopback_app import REPO_ROOT, LoopbackApp, parse_overrides  # noqa: E402
+from measure.cluster import cli  # noqa: E402
 
 CAP_ENV = "FUZZ_API_MAX_TOKENS"
 DROP_ENV = "FUZZ_API_DROP_FIELDS"
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         schema_paths = schema.get("paths", {})
         doc["operations"] = [f"{m.upper()} {path}" for path, ops in sorted(schema["paths"].items()) for m in ops]
         print(f"app up on {app.url}; operations: {', '.join(doc['operations'])}", flush=True)
-        cmd = ["schemathesis", "run", f"{app.url}/openapi.json", "--checks", "not_a_server_error,openai_response",
+        cmd = [cli("schemathesis"), "run", f"{app.url}/openapi.json", "--checks", "not_a_server_error,openai_response",
                "--phases", args.phases, "--mode", args.mode, "--max-examples", str(args.max_examples),
                "--max-time", str(args.max_time), "--workers", "1", "--seed", str(args.seed),
                "--request-timeout", str(args.request_timeout_s), "--generation-database", "none",
