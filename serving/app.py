@@ -118,7 +118,7 @@ class ServerOptions(BaseModel):
                                 "kind, arrival time; never text) each replica keeps for /traffic")
     slot_save_path: Path | None = Field(None, description="directory of slot files (POST /slots/{id}?action="
                                         "save|restore|erase, llama-server's --slot-save-path), on each replica's "
-                                        "node; none: those answer 501")
+                                        "node; none: those answer 400")
 
     @field_validator("slot_save_path", mode="after")
     @classmethod

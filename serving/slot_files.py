@@ -38,10 +38,13 @@ class SlotFileBody(BaseModel):
 
 
 def slot_file(directory: Path | None, body: SlotFileBody | None, action: SlotAction) -> Path | None:
-    """The file an action names, inside `directory`; None for erase. APIError (501 without a slot
-    directory, 400 for a missing or unsafe name, 404 for a restore of a file that is not there)."""
+    """The file an action names, inside `directory`; None for erase. APIError (400 without a slot
+    directory, and for a missing or unsafe name; 404 for a restore of a file that is not there).
+
+    Without a slot directory llama-server answers 501; a 4xx here, because clients retry a 5xx (the openai
+    client does) and this request cannot succeed until the operator sets slot_save_path."""
     if directory is None:
-        raise APIError(501, NOT_ENABLED, type_="not_supported_error", code="slot_files_off")
+        raise APIError(400, NOT_ENABLED, code="slot_files_off")
     if action is SlotAction.erase:
         return None
     if body is None:

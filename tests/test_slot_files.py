@@ -12,11 +12,11 @@ from serving.slot_files import SlotAction, SlotFileBody, slot_file
 pytestmark = pytest.mark.unit
 
 
-def test_without_a_slot_directory_every_action_is_501() -> None:
+def test_without_a_slot_directory_every_action_is_a_400_that_says_how_to_turn_them_on() -> None:
     for action in SlotAction:
         with pytest.raises(APIError) as exc:
             slot_file(None, SlotFileBody(filename="a.bin"), action)
-        assert exc.value.status == 501 and exc.value.type == "not_supported_error"
+        assert exc.value.status == 400 and exc.value.code == "slot_files_off"
         assert "slot_save_path" in exc.value.message
 
 
