@@ -467,7 +467,7 @@ class SamplerChain:
         if guide.validate_tokens([token]) == 1:
             return token
         self.resamples += 1
-        return self._select(self._masked(guide, logits), grammar_first=False)
+        return self._select(masked_logits(logits, self._allowed(guide, len(logits))), grammar_first=False)
 
     def _greedy_guided(self, guide: LLMatcher, logits: np.ndarray) -> int:
         """Greedy under a guide: the model's choice if llguidance's check takes it; else the best token of the
@@ -479,7 +479,7 @@ class SamplerChain:
         self.resamples += 1
         allowed = self._allowed(guide, len(logits))
         return self._next_allowed(logits, token, lambda t: bool(allowed[t]),
-                                  lambda: int(_masked(logits, allowed).argmax()))
+                                  lambda: int(masked_logits(logits, allowed).argmax()))
 
     def _greedy_grammar(self, logits: np.ndarray) -> int:
         """Greedy under a GBNF grammar: its single-token check, one candidate at a time, before a full pass."""
@@ -488,10 +488,6 @@ class SamplerChain:
             return token
         self.resamples += 1
         return self._next_allowed(logits, token, self._allows, lambda: self._select(logits, grammar_first=True))
-
-    def _masked(self, guide: LLMatcher, logits: np.ndarray) -> np.ndarray:
-        """The logits with every token the guide refuses at -inf."""
-        return _masked(logits, self._allowed(guide, len(logits)))
 
     def _allowed(self, guide: LLMatcher, n_vocab: int) -> np.ndarray:
         """The guide's mask as one bool per token; an error if it allows none."""
@@ -540,7 +536,8 @@ class SamplerChain:
             self._grammar = None
 
 
-def _masked(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+def masked_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """`logits` with every token not `allowed` at -inf."""
     return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
 
 

@@ -222,7 +222,10 @@ def _greedy_and_full_pass(chain: Any) -> tuple[Callable[[Any], int], Callable[[A
     guide = chain._guide
     if guide is None:
         return chain._greedy_grammar, partial(chain._select, grammar_first=True)
-    return partial(chain._greedy_guided, guide), lambda values: int(chain._masked(guide, values).argmax())
+    from serving.llama import masked_logits
+
+    return partial(chain._greedy_guided, guide), \
+        lambda values: int(masked_logits(values, chain._allowed(guide, len(values))).argmax())
 
 
 def test_guided_greedy_keeps_forced_text_in_its_canonical_tokens() -> None:

@@ -182,7 +182,7 @@ def predict(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryEsti
     extra = _one_model(_shape_of(path, path.stat().st_mtime_ns), draft, on_gpu)
     return MemoryEstimate(weights=own.weights + extra.weights, kv_cache=own.kv_cache + extra.kv_cache,
                           compute=own.compute + extra.compute, overhead=own.overhead,
-                          host=own.host + extra.host - (GPU_PROCESS_HOST_OVERHEAD if on_gpu else CPU_RUNTIME_OVERHEAD))
+                          host=own.host + extra.host - _process_host(on_gpu))
 
 
 @functools.lru_cache(maxsize=8)
@@ -235,14 +235,19 @@ def _one_model(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryE
     kv = kv_cache_bytes(shape, config)
     compute = compute_bytes(shape, config)
     if not on_gpu:
-        total_host = shape.weight_bytes + kv + compute + CPU_RUNTIME_OVERHEAD
+        total_host = shape.weight_bytes + kv + compute + _process_host(on_gpu)
         return MemoryEstimate(weights=shape.weight_bytes, kv_cache=kv, compute=compute,
                               overhead=CPU_RUNTIME_OVERHEAD, host=total_host)
     placed = place_weights(shape, config)
     kv_gpu = kv * placed.gpu_layers // shape.n_layer if config.kv_offload else 0
     cpu_compute = compute if placed.host > shape.token_embd_bytes or kv_gpu < kv else 0
     return MemoryEstimate(weights=placed.gpu, kv_cache=kv_gpu, compute=compute, overhead=GPU_RUNTIME_OVERHEAD,
-                          host=placed.host + (kv - kv_gpu) + cpu_compute + GPU_PROCESS_HOST_OVERHEAD)
+                          host=placed.host + (kv - kv_gpu) + cpu_compute + _process_host(on_gpu))
+
+
+def _process_host(on_gpu: bool) -> int:
+    """The engine process's own host memory beyond its tensors (once per process: a draft model adds none)."""
+    return GPU_PROCESS_HOST_OVERHEAD if on_gpu else CPU_RUNTIME_OVERHEAD
 
 
 def parse_bytes(text: str) -> int:
