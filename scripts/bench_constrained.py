@@ -19,6 +19,11 @@ renders no tools and forces none) and the same unconstrained twins (`ignore_eos`
 is its own `timings.predicted_per_second`, and each constrained answer of its that ended by itself is checked
 (JSON; the schema's fields; one call of the tool, JSON arguments).
 
+With `--breakdown N`, after the measured rounds, N more rounds of each guide mode and its twin run with the
+step thread's parts timed (the decode call, sampling with the logits fetch, plain greedy, output processing,
+the whole step), in microseconds per generated token: where a constrained token's extra time goes. Timing
+wraps the engine's own methods for that pass only, so the figures above it are untouched.
+
 Compile time is reported for a large schema (`large_schema`: 60 properties, nested objects, arrays, enums,
 bounds) both ways: the grammar from the schema (first time, and again: cached), then for the vocabulary (the
 matcher a request copies; llama.cpp's grammar sampler for GBNF).
@@ -32,7 +37,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 import json
 import shlex
@@ -177,6 +185,60 @@ def run(engine: Engine, text: str, constraint: Constraint | None, tools: bool, n
             "resamples": after.get("grammar_resamples", 0) - before.get("grammar_resamples", 0)}
 
 
+def _parts() -> dict[str, tuple[Any, str]]:
+    from serving.llama import LlamaContext, SamplerChain
+    from serving.scheduler import Scheduler
+
+    return {"step": (Scheduler, "step"), "decode": (LlamaContext, "decode"), "sample": (SamplerChain, "sample"),
+            "greedy": (LlamaContext, "greedy"), "emit": (Engine, "_emit")}
+
+
+@contextlib.contextmanager
+def timed_parts(spent: dict[str, float]) -> Iterator[None]:
+    """Add each part's seconds to `spent` while inside (the engine's methods wrapped, restored after)."""
+    originals = {name: (owner, attr, getattr(owner, attr)) for name, (owner, attr) in _parts().items()}
+
+    def timer(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return run
+
+    for name, (owner, attr, method) in originals.items():
+        setattr(owner, attr, timer(name, method))
+    try:
+        yield
+    finally:
+        for owner, attr, method in originals.values():
+            setattr(owner, attr, method)
+
+
+def breakdown(engine: Engine, table: dict[str, Mode], rounds: int, gen: int) -> dict[str, Any]:
+    """Per guide mode, microseconds per generated token in each part of the step, constrained and its twin
+    (summed over `rounds` rounds)."""
+    out: dict[str, Any] = {}
+    for name, mode in table.items():
+        spent: dict[str, dict[str, float]] = {"constrained": {}, "unconstrained": {}}
+        tokens = 0
+        for r in range(rounds):
+            with timed_parts(spent["constrained"]):
+                n = run(engine, mode.text, mode.guide, mode.tools, 100 + r, gen)["tokens"]
+            with timed_parts(spent["unconstrained"]):
+                run(engine, mode.text, None, mode.tools, 100 + r, n, ignore_eos=True)
+            tokens += n
+        per = {kind: {part: 1e6 * seconds / max(tokens, 1) for part, seconds in sorted(parts.items())}
+               for kind, parts in spent.items()}
+        out[name] = per
+        print(f"breakdown {name} (us/token): " + "; ".join(
+            f"{kind} " + ", ".join(f"{part} {us:.1f}" for part, us in parts.items()) for kind, parts in per.items()),
+            flush=True)
+    return out
+
+
 def server_body(name: str, mode: Mode, n: int, max_tokens: int, twin: bool) -> dict[str, Any]:
     """The request as llama-server's API says it: the mode's own fields, or (the twin) none of them."""
     messages = [{"role": "user", "content": f"(request {n}) {mode.text}"}]
@@ -278,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--gen-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--breakdown", type=int, default=0, metavar="N",
+                        help="then N rounds per guide mode with the step's parts timed (see above)")
     parser.add_argument("--llama-server", metavar="BINARY", help="also run llama-server on the same requests")
     parser.add_argument("--server-args", default="", help='llama-server\'s other flags, e.g. "-t 2"')
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench_constrained.json")
@@ -305,13 +369,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{m} {samples[m][-1]['decode_tok_s']:.1f} / {twins[m][-1]['decode_tok_s']:.1f}" for m in ours),
                 flush=True)
         compiled = compile_times(engine)
+        parts = breakdown(engine, table, args.breakdown, args.gen_tokens) if args.breakdown else None
     finally:
         engine.close()
     results = summarise(samples, twins)
     peer = (asyncio.run(measure_llama_server(args.llama_server, config, shlex.split(args.server_args), table,
                                              args.rounds, args.gen_tokens)) if args.llama_server else None)
     report = {"provenance": provenance(), "config": config.to_yaml_dict(), "results": results,
-              "llama_server": peer, "compile": compiled}
+              "llama_server": peer, "compile": compiled, "breakdown_us_per_token": parts}
     write_report(args.out, report)
     print("| server | mode | decode tok/s | same request unconstrained | ms/token | x unconstrained (paired) | "
           "resampled tokens |")

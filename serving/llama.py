@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 
 from serving.config import CacheType, EngineConfig, FlashAttn, SplitMode, TensorOverride  # noqa: E402
 from serving.errors import EngineError  # noqa: E402
+from serving.guided import Guided, MaskWorker  # noqa: E402
 from serving.request import Constraint, ConstraintKind, SamplingParams, TokenLogprob  # noqa: E402
 
 llama_cpp = ll  # the bindings module, for the few callers outside serving/ that need a constant
@@ -394,7 +395,7 @@ class Candidates:
         return arr
 
 
-GREEDY_TRIES = 32  # a constrained greedy step checks this many best tokens one by one before a full pass
+GREEDY_TRIES = 32  # greedy under GBNF checks this many best tokens one by one before a full pass
 
 
 class SamplerChain:
@@ -404,30 +405,28 @@ class SamplerChain:
     A constraint is applied the way llama-server applies a grammar: sample without it, and only if it rejects
     that token, sample again from what it allows. That draws from the distribution restricted to the
     constraint (rejection sampling) and costs one check on the tokens the model gets right.
-    - A guide (llguidance: response_format, forced tool calls) checks a token in about a microsecond; on a
-      rejection it computes the mask of allowed tokens (tens of microseconds) and samples from the masked
-      logits.
+    - A guide (llguidance: response_format, forced tool calls) has the mask of allowed tokens computed ahead,
+      while the model decodes (serving/guided.py): the check is one bit of it, and a rejected token is
+      sampled again from the masked logits (greedy: the best allowed token).
     - A GBNF grammar (a client's raw `grammar`) goes through llama.cpp's grammar sampler, whose pass over
-      the vocabulary costs milliseconds.
-    - Greedy with nothing else in the chain, once the model's choice is refused, tries the next candidates in
-      order of logit (GREEDY_TRIES of them) before a full pass: under GBNF one single-token check each, under
-      a guide one lookup each in its mask, so that the vocabulary's logits are masked only when none of them
-      is allowed (on the development CPU the masking costs more than the mask).
+      the vocabulary costs milliseconds; greedy with nothing else in the chain, once the model's choice is
+      refused, checks the next candidates in order of logit (GREEDY_TRIES of them, one single-token check
+      each) before that pass.
     """
 
     def __init__(self, ctx: LlamaContext, params: SamplingParams, default_seed: int) -> None:
         self._ctx = ctx
         self.resamples = 0  # tokens the constraint rejected, sampled again from what it allows
         self._grammar = None
-        self._guide: LLMatcher | None = None
+        self._guide: Guided | None = None
         constraint = params.constraint
         if constraint is not None and constraint.kind is ConstraintKind.gbnf:
             self._grammar = ll.llama_sampler_init_grammar(ctx.model.vocab, constraint.text.encode(), b"root")
             if not self._grammar:
                 raise ValueError("the grammar does not parse")
         elif constraint is not None:
-            self._guide = ctx.model.guides.matcher(constraint.text)
-            self._mask = np.zeros((ctx.n_vocab + 31) // 32, dtype=np.int32)
+            self._guide = Guided(ctx.model.guides.matcher(constraint.text), ctx.n_vocab, ctx.masks)
+        # greedy alone: the chain is llama.cpp's greedy sampler, which keeps no history to accept tokens into
         self._argmax = params.temperature <= 0.0 and not params.logit_bias and not params.has_penalties
         self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         for sampler in _samplers_for(params, default_seed, ctx.n_vocab):
@@ -454,32 +453,29 @@ class SamplerChain:
             if self._grammar is not None and not self._allows(token):
                 self.resamples += 1
                 token = self._select(logits, grammar_first=True)
-        ll.llama_sampler_accept(self._ptr, token)
+        if not self._argmax:
+            ll.llama_sampler_accept(self._ptr, token)
         if self._grammar is not None:
             ll.llama_sampler_accept(self._grammar, token)
-        if self._guide is not None and not self._guide.consume_token(token):
-            raise RuntimeError(f"the constraint refused token {token}: {self._guide.get_error()}")
+        if self._guide is not None:
+            self._guide.advance(token)
         return token
 
-    def _guided(self, guide: LLMatcher, logits: np.ndarray) -> int:
+    def _guided(self, guide: Guided, logits: np.ndarray) -> int:
         """A sampled token under a guide: drawn without it, and if refused, drawn from the masked logits."""
         token = self._select(logits, grammar_first=False)
-        if guide.validate_tokens([token]) == 1:
+        if guide.allows(token):
             return token
         self.resamples += 1
-        return self._select(masked_logits(logits, self._allowed(guide, len(logits))), grammar_first=False)
+        return self._select(masked_logits(logits, guide.allowed()), grammar_first=False)
 
-    def _greedy_guided(self, guide: LLMatcher, logits: np.ndarray) -> int:
-        """Greedy under a guide: the model's choice if llguidance's check takes it; else the best token of the
-        guide's mask, which keeps text the grammar forces in its canonical tokens (where the check would take
-        any split of it: "g" then "et" for "get")."""
+    def _greedy_guided(self, guide: Guided, logits: np.ndarray) -> int:
+        """Greedy under a guide: the model's choice if the mask allows it, else the best token it allows."""
         token = int(logits.argmax())
-        if guide.validate_tokens([token]) == 1:
+        if guide.allows(token):
             return token
         self.resamples += 1
-        allowed = self._allowed(guide, len(logits))
-        return self._next_allowed(logits, token, lambda t: bool(allowed[t]),
-                                  lambda: int(masked_logits(logits, allowed).argmax()))
+        return guide.best(logits)
 
     def _greedy_grammar(self, logits: np.ndarray) -> int:
         """Greedy under a GBNF grammar: its single-token check, one candidate at a time, before a full pass."""
@@ -488,14 +484,6 @@ class SamplerChain:
             return token
         self.resamples += 1
         return self._next_allowed(logits, token, self._allows, lambda: self._select(logits, grammar_first=True))
-
-    def _allowed(self, guide: LLMatcher, n_vocab: int) -> np.ndarray:
-        """The guide's mask as one bool per token; an error if it allows none."""
-        guide.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
-        allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[:n_vocab].astype(bool)
-        if not allowed.any():
-            raise RuntimeError(f"the constraint allows no token: {guide.get_error() or guide.stop_reason()}")
-        return allowed
 
     def _select(self, logits: np.ndarray, grammar_first: bool) -> int:
         cur = self._ctx.candidates.fill(logits)
@@ -608,6 +596,7 @@ class LlamaContext:
         self.n_vocab = model.n_vocab
         self.batch = Batch(config.n_batch)
         self.candidates = Candidates(self.n_vocab)
+        self.masks = MaskWorker()  # guided requests' next masks, computed while the model decodes
 
     # -- the scheduler's ModelContext ----------------------------------------------------------------
     @property
@@ -713,6 +702,7 @@ class LlamaContext:
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
 
     def free(self) -> None:
+        self.masks.close()
         if self.ptr:
             ll.llama_free(self.ptr)
             self.ptr = None

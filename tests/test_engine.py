@@ -225,7 +225,7 @@ def _greedy_and_full_pass(chain: Any) -> tuple[Callable[[Any], int], Callable[[A
     from serving.llama import masked_logits
 
     return partial(chain._greedy_guided, guide), \
-        lambda values: int(masked_logits(values, chain._allowed(guide, len(values))).argmax())
+        lambda values: int(masked_logits(values, guide.allowed()).argmax())
 
 
 def test_guided_greedy_keeps_forced_text_in_its_canonical_tokens() -> None:
@@ -247,10 +247,10 @@ def test_guided_greedy_keeps_forced_text_in_its_canonical_tokens() -> None:
         guide = chain._guide
         assert guide is not None
         for token in model.tokenize('<tool_call>\n{"name": "', add_special=False, parse_special=True):
-            assert guide.consume_token(token)
+            guide.advance(token)
         split, canonical, refused = (model.tokenize(t, add_special=False, parse_special=False)[0]
                                      for t in ("g", "get", "{"))
-        assert guide.validate_tokens([split]) == 1 and not chain._allowed(guide, ctx.n_vocab)[split]
+        assert guide._ready().validate_tokens([split]) == 1 and not guide.allows(split) and guide.allows(canonical)
         logits = np.zeros(ctx.n_vocab, dtype=np.float32)
         logits[[refused, split, canonical]] = [3.0, 2.0, 1.0]
         assert chain._greedy_guided(guide, logits) == canonical and chain.resamples == 1
@@ -262,9 +262,9 @@ def test_guided_greedy_keeps_forced_text_in_its_canonical_tokens() -> None:
 
 @pytest.mark.parametrize("kind", [ConstraintKind.gbnf, ConstraintKind.guide])
 def test_constrained_greedy_takes_the_best_allowed_token_as_the_full_pass_does(kind: ConstraintKind) -> None:
-    """Greedy under a grammar (GBNF) or a guide (llguidance) checks the best tokens one by one instead of a pass
-    over the vocabulary or a mask: it must pick what the full pass picks, whether the best allowed token ranks
-    2nd, 30th or beyond the tries."""
+    """Greedy under a grammar (GBNF) checks the best tokens one by one instead of a pass over the vocabulary, and
+    under a guide (llguidance) picks from the mask computed ahead: each must pick what the full pass picks,
+    whether the best allowed token ranks 2nd, 30th or beyond GBNF's tries."""
     import numpy as np
 
     from serving.config import EngineConfig, embedded_model_path

@@ -233,3 +233,44 @@ def test_guide_costs_replays_each_modes_answer_through_its_guide(costs: ModuleTy
             costs.replay(model, costs.modes()["json_schema"].guide.text, model.tokenize("[1]", add_special=False))
     finally:
         model.free()
+
+
+@pytest.mark.engine
+def test_a_guide_masks_ahead_what_llguidance_masks_inline(costs: ModuleType) -> None:
+    """The mask a guide computes on its worker thread (serving/guided.py) is, at every token of an answer, the
+    one llguidance computes inline; its bit refuses what the mask refuses; the best allowed token wins over a
+    better refused one; a worker's error fails the job that asked, and the next job still runs."""
+    import numpy as np
+
+    from serving.config import EngineConfig
+    from serving.guided import Guided, MaskWorker
+    from serving.llama import LlamaModel
+
+    model = LlamaModel(EngineConfig().model_path, n_gpu_layers=0)
+    worker = MaskWorker()
+    try:
+        grammar = costs.modes()["json_schema"].guide.text
+        guided = Guided(model.guides.matcher(grammar), model.n_vocab, worker)
+        inline = model.guides.matcher(grammar)
+        mask = np.zeros((model.n_vocab + 31) // 32, dtype=np.uint32)
+        for token in model.tokenize(costs.ANSWERS["json_schema"], add_special=False, parse_special=True):
+            inline.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            expected = np.unpackbits(mask.view(np.uint8), bitorder="little")[:model.n_vocab].astype(bool)
+            assert np.array_equal(guided.allowed(), expected)
+            refused = int(np.flatnonzero(~expected)[0])
+            assert guided.allows(token) and not guided.allows(refused)
+            logits = np.zeros(model.n_vocab, dtype=np.float32)
+            logits[[refused, token]] = [5.0, 1.0]
+            assert guided.best(logits) == token
+            guided.advance(token)
+            assert inline.consume_token(token)
+        fresh = Guided(model.guides.matcher(grammar), model.n_vocab, worker)
+        with pytest.raises(RuntimeError, match="refused token"):
+            fresh.advance(int(np.flatnonzero(~fresh.allowed())[0]))
+        failing = worker.submit(inline, np.zeros(3, dtype=np.uint32))  # a buffer of the wrong size
+        with pytest.raises(RuntimeError, match="mask failed"):
+            failing.wait()
+        worker.submit(inline, mask).wait()
+    finally:
+        worker.close()
+        model.free()

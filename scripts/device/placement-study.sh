@@ -8,7 +8,8 @@
 #      the tuner's own pick (python -m tuning.search --offline, TRIALS trials at that budget; TRIALS=0 skips it),
 #      then scripts/bench_device.py on those placements (ours in-process, llama-server with the same flags) and
 #      llama-server --fit on seeing the same free memory; predicted against measured VRAM and host RAM for each.
-# JOBS (default "moe dense") picks the models. OUT/progress.log says where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow.
+# JOBS (default "moe dense") picks the models; EXTRA_moe / EXTRA_dense add placements of your own to its bench
+# (space-separated NAME:KEY=VALUE[,KEY=VALUE], as bench_device.py's --placement). OUT/progress.log says where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow.
 set -uo pipefail
 DIR=${1:?usage: placement-study.sh DIR OUT}
 OUT=${2:?usage: placement-study.sh DIR OUT}
@@ -36,6 +37,8 @@ for name in ${JOBS:-moe dense}; do
   if [ "$experts" != "None" ]; then
     places+=(--placement "experts:n_cpu_moe=$experts" --placement "experts-t8:n_cpu_moe=$experts,n_threads=8")
   fi
+  extra_var="EXTRA_$name"
+  for extra in ${!extra_var:-}; do places+=(--placement "$extra"); done
   if [ "${TRIALS:-8}" -gt 0 ]; then
     python3 -m tuning.search --offline --no-apply --model "$model" --vram-budget "$budget" --trials "${TRIALS:-8}" \
       --out "$OUT/tuned_$name.yaml" --results-dir "$OUT/study_$name" > "$OUT/study_$name.txt" 2>&1

@@ -4,12 +4,15 @@
 #   1. waits for setup.sh's llama.cpp build, writes the 27B-class synthetic model (random weights: speed only);
 #   2. scripts/guide_costs.py (each llguidance call per token, no decoding), then
 #      scripts/bench_constrained.py on the embedded model (SMOL, a real model): each constraint as the server
-#      compiles it (llguidance) and as GBNF, beside its unconstrained twin, and llama-server on the same requests;
+#      compiles it (llguidance) and as GBNF, beside its unconstrained twin, and llama-server on the same requests,
+#      then the step thread's parts timed per token (--breakdown); with OLD_TREE=DIR (another checkout of this
+#      repository, e.g. the commit before a change) the same benchmark of ours from there, right after: an A/B
+#      in one run;
 #   3. scripts/bench_http_path.py on the embedded model: TTFT and decode through the server (the relay, and
 #      ingress=engine, through Serve's proxy; and ingress=engine under Serve's direct ingress, the thinnest path)
 #      against the engine in-process, one stream and four, and the first-token probe;
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
-#      llama-server --cache-ram 8192 and 0.
+#      llama-server --cache-ram 8192 and 0 (CONVERSATIONS=0 skips it).
 # SMOL: the embedded GGUF (default: where install-embedded.sh installed it). OUT/progress.log says
 # where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow at once.
 set -uo pipefail
@@ -29,13 +32,13 @@ say "guide costs rc=$?"
 
 say "constrained (embedded model)"
 python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" --llama-server "$SERVER" \
-  --out "$OUT/bench_constrained_$GPU.json" > "$OUT/constrained.txt" 2>&1
+  --breakdown 3 --out "$OUT/bench_constrained_$GPU.json" > "$OUT/constrained.txt" 2>&1
 say "constrained rc=$?"
-# the same with 4 CPU threads, ours alone: whether the host time around the grammar is llama.cpp's idle CPU threads
-# (16 here, for the CPU's small share of a fully offloaded model) crowding the sampler's Python
-python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" --threads 4 \
-  --out "$OUT/bench_constrained_t4_$GPU.json" > "$OUT/constrained_t4.txt" 2>&1
-say "constrained, 4 threads rc=$?"
+if [ -n "${OLD_TREE:-}" ]; then
+  (cd "$OLD_TREE" && python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" \
+    --out "$OUT/bench_constrained_old_$GPU.json") > "$OUT/constrained_old.txt" 2>&1
+  say "constrained from $OLD_TREE rc=$?"
+fi
 
 say "HTTP path (embedded model)"
 ray stop --force > /dev/null 2>&1
@@ -47,12 +50,15 @@ python3 scripts/bench_http_path.py --variant default --variant 'engine:ingress=e
 say "HTTP path rc=$?"
 ray stop --force > /dev/null 2>&1
 
-say "conversations (27B-class)"
-python3 scripts/bench_conversations.py --model "$MODEL" --engine n_parallel=2 --engine n_ctx=8192 \
-  --engine flash_attn=on --engine type_k=q8_0 --engine type_v=q8_0 --llama-server "$SERVER" \
-  --server-args "-np 2 -c 8192 -fa on -ctk q8_0 -ctv q8_0 -ngl 999" --out "$OUT/conversations_$GPU.json" \
-  > "$OUT/conversations.txt" 2>&1
-RC=$?
-say "conversations rc=$RC"
+RC=0
+if [ "${CONVERSATIONS:-1}" != 0 ]; then
+  say "conversations (27B-class)"
+  python3 scripts/bench_conversations.py --model "$MODEL" --engine n_parallel=2 --engine n_ctx=8192 \
+    --engine flash_attn=on --engine type_k=q8_0 --engine type_v=q8_0 --llama-server "$SERVER" \
+    --server-args "-np 2 -c 8192 -fa on -ctk q8_0 -ctv q8_0 -ngl 999" --out "$OUT/conversations_$GPU.json" \
+    > "$OUT/conversations.txt" 2>&1
+  RC=$?
+  say "conversations rc=$RC"
+fi
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 finish "$RC"
