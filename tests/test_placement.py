@@ -121,10 +121,13 @@ def test_thread_choices_are_all_one_fewer_and_half() -> None:
 
 
 @pytest.mark.engine
-def test_placement_is_searched_only_when_the_budget_needs_it(tiny_moe: Path) -> None:
+def test_placement_is_set_only_when_the_budget_needs_it_and_fills_what_the_rest_leaves(tiny_moe: Path) -> None:
+    """Placement appears only when the smallest config does not fit; each point's placement is then the most of
+    the model that fits beside its other settings (fewer experts moved with a smaller cache), never drawn."""
+    from tuning.fit import fewest_expert_layers, most_layers
     from tuning.memory import ModelShape, predict
     from tuning.search import cheapest_config, placement_search
-    from tuning.space import PlacementKnob, PlacementSearch, SearchSpace, suggest
+    from tuning.space import PlacementFit, PlacementKnob, PlacementSearch, SearchSpace, suggest, to_engine_config
 
     shape = ModelShape.from_gguf(tiny_moe)
     space = SearchSpace(n_threads=[2, 4])
@@ -132,27 +135,43 @@ def test_placement_is_searched_only_when_the_budget_needs_it(tiny_moe: Path) -> 
     need = predict(shape, cheapest_config(base, space, 1024), on_gpu=True).total
     assert placement_search(shape, base, need, True, space, 1024, 16) is None  # it fits: nothing moves
     assert placement_search(shape, base, need - 1, False, space, 1024, 16) is None  # on the CPU nothing to move
+    fit = PlacementFit(shape, base, need - 1)
     assert placement_search(shape, base, need - 1, True, space, 1024, 16) == \
-        PlacementSearch(PlacementKnob.experts, 4, (2, 4))  # the space's thread counts
+        PlacementSearch(fit, (2, 4))  # the space's thread counts
     dense = ModelShape(**{**shape.__dict__, "n_expert": 0, "n_expert_used": 0})
+    dense_fit = PlacementFit(dense, base, need - 1)
     assert placement_search(dense, base, need - 1, True, SearchSpace(), 1024, 16) == \
-        PlacementSearch(PlacementKnob.layers, 4, (8, 15, 16))  # none listed: around the engines' default
+        PlacementSearch(dense_fit, (8, 15, 16))  # none listed: around the engines' default
     set_threads = EngineConfig(model=tiny_moe, n_threads=6)
     assert placement_search(dense, set_threads, need - 1, True, SearchSpace(), 1024, 16) == \
-        PlacementSearch(PlacementKnob.layers, 4)  # the base config sets them: not searched
+        PlacementSearch(PlacementFit(dense, set_threads, need - 1))  # the base config sets them: not searched
 
-    class Trial:  # an optuna.Trial's suggest_* API, taking the last choice / the upper bound
-        def suggest_categorical(self, _: str, choices: list[Any]) -> Any:
-            return choices[-1]
+    class Trial:  # an optuna.Trial's suggest_categorical, taking the choice `pick` says (default: the last)
+        def __init__(self, **pick: Any) -> None:
+            self.pick = pick
 
-        def suggest_int(self, _: str, low: int, high: int) -> int:
-            return high
+        def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
+            return self.pick.get(name, choices[-1])
 
-    drawn = suggest(Trial(), space, [1024], PlacementSearch(PlacementKnob.experts, 4, (2, 4)))
-    assert drawn["n_cpu_moe"] == 4 and drawn["n_threads"] == 4 and "n_gpu_layers" not in drawn
-    assert suggest(Trial(), space, [1024], PlacementSearch(PlacementKnob.layers, 4, (6,)))["n_threads"] == 6
-    assert "n_threads" not in suggest(Trial(), space, [1024], PlacementSearch(PlacementKnob.layers, 4))
+    big_cache, small_cache = ({"type_k": kv, "type_v": kv, "ctx_per_slot": 8192, "n_parallel": 16}
+                              for kv in ("f16", "q4_0"))
+    small_point = to_engine_config(suggest(Trial(**small_cache), space, [1024, 8192], None), base)
+    roomy = PlacementFit(shape, base, predict(shape, small_point.model_copy(update={"n_gpu_layers": -1}),
+                                              on_gpu=True).total)  # just room for all with the small cache
+    drawn = {name: suggest(Trial(**cache), space, [1024, 8192], PlacementSearch(roomy, (2, 4)))
+             for name, cache in (("f16", big_cache), ("q4_0", small_cache))}
+    for point in drawn.values():
+        assert point["n_threads"] == 4 and "n_gpu_layers" not in point
+        moved = fewest_expert_layers(shape, to_engine_config(point, base), roomy.budget)
+        assert point["n_cpu_moe"] == (shape.n_layer if moved is None else moved)
+    assert drawn["q4_0"]["n_cpu_moe"] == 0 < drawn["f16"]["n_cpu_moe"]  # the smaller cache leaves room for experts
+    layers = suggest(Trial(), space, [1024], PlacementSearch(PlacementFit(dense, base, need - 1), (6,)))
+    assert layers["n_threads"] == 6
+    assert layers["n_gpu_layers"] == (most_layers(dense, to_engine_config(layers, base), need - 1) or 0)
+    assert "n_threads" not in suggest(Trial(), space, [1024], PlacementSearch(dense_fit))
     assert "n_cpu_moe" not in suggest(Trial(), space, [1024], None)  # no placement: none of its settings
+    assert fit.knob is PlacementKnob.experts and dense_fit.knob is PlacementKnob.layers
+    assert PlacementFit(shape, base, 1)(drawn["q4_0"]) == shape.n_layer  # nothing fits: the least on the GPU
 
 
 @pytest.mark.engine

@@ -33,7 +33,7 @@ from tuning.options import REPO_ROOT, DeviceChoice, Sampler, SearchOptions, Wher
 from tuning.confirm import Candidate, Verdict  # noqa: E402
 from tuning.gpus import TrialSlots, free_gpu_places  # noqa: E402
 from tuning.report import Objective, TrialRow  # noqa: E402
-from tuning.space import (PlacementKnob, PlacementSearch, SearchSpace, SpaceFunction,  # noqa: E402
+from tuning.space import (PlacementFit, PlacementSearch, SearchSpace, SpaceFunction,  # noqa: E402
                           thread_choices, to_engine_config)
 from tuning.workloads import TrafficPlan, UserError, least_context, traffic_plan  # noqa: E402
 
@@ -210,17 +210,17 @@ def budget_bytes(opts: SearchOptions, on_gpu: bool, gpu_total: int | None = None
 
 def placement_search(shape: ModelShape, base: EngineConfig, budget: int, on_gpu: bool,
                      space: SearchSpace, ctx: int, threads: int) -> PlacementSearch | None:
-    """None when the whole model fits with the smallest config; else what to move to host memory: a mixture
-    of experts keeps its attention and shared weights on the GPU and moves experts (per token it reads only
-    the experts it is routed to, so this costs far less than moving whole layers); a dense model moves layers.
-    With it, the threads for the CPU's share: the space's list, else (unless the base config sets them) the
-    choices around `threads`, what the trial engines run by default."""
+    """None when the whole model fits with the smallest config; else what to move to host memory, derived per
+    point (tuning/space.py, PlacementFit): a mixture of experts keeps its attention and shared weights on the
+    GPU and moves experts (per token it reads only the experts it is routed to, so this costs far less than
+    moving whole layers); a dense model moves layers. With it, the threads for the CPU's share: the space's
+    list, else (unless the base config sets them) the choices around `threads`, what the trial engines run by
+    default."""
     smallest = cheapest_config(base, space, ctx)
     if not on_gpu or predict(shape, smallest, on_gpu).total <= budget:
         return None
-    knob = PlacementKnob.experts if shape.n_expert else PlacementKnob.layers
     searched = tuple(space.n_threads) or (() if base.n_threads else thread_choices(threads))
-    return PlacementSearch(knob, shape.n_layer, searched)
+    return PlacementSearch(PlacementFit(shape, base, budget), searched)
 
 
 def cheapest_config(base: EngineConfig, space: SearchSpace, ctx: int) -> EngineConfig:

@@ -2,10 +2,11 @@
 
 Every point it proposes is a valid EngineConfig: n_ubatch is clamped to n_batch, a quantised V cache forces
 flash attention on, context is searched per slot and never below `min_ctx_per_slot` (the tuner must not
-win by starving context), placement is searched only when the weights do not fit the budget with the
-smallest config (`n_cpu_moe`, the layers whose experts live in host memory, for a mixture of experts; else
-`n_gpu_layers`; and `n_threads` for what the CPU then computes: the space's list, else `thread_choices`
-unless the base config sets it), and
+win by starving context), placement is set only when the weights do not fit the budget with the smallest
+config: then each point's placement is the most of the model its other settings leave room for (`PlacementFit`:
+for a mixture of experts the fewest layers whose experts live in host memory, `n_cpu_moe`; else the most layers
+on the GPU, `n_gpu_layers`), and `n_threads` for what the CPU computes is searched (the space's list, else
+`thread_choices`, unless the base config sets it), and
 speculative decoding (`spec_mode`) only when the space lists more than `off`, its draft bound and busy-slot
 limit only for the configs that speculate (measure it with `--prompt-set both`: prompt lookup pays on text
 that copies its prompt).
@@ -22,6 +23,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode
+from tuning.fit import fewest_expert_layers, most_layers
+from tuning.memory import ModelShape
 
 DEFAULT_SPACE_FILE = Path(__file__).resolve().parent.parent / "configs" / "search_space.yaml"
 
@@ -94,12 +97,38 @@ class PlacementKnob(str, Enum):
 
 
 @dataclass(frozen=True)
-class PlacementSearch:
-    """The placement setting searched, from 0 to `upper` (layers on the GPU, or layers whose experts are not),
-    and the thread counts searched with it (one: set, none: the base config's)."""
+class PlacementFit:
+    """A point's placement, derived from its other settings: the most of the model on the GPU that the memory
+    model (tuning/memory.py) predicts within the budget, given the point's context, slots, K/V types and batch
+    (its compute buffers). Not drawn: decode reads every weight once per token, from host memory far slower
+    than from the GPU's, so less on the GPU is never faster, and a drawn placement wastes trials on the slow
+    end or on configs that do not fit. What the search trades is the rest against room for weights (a q8_0
+    cache or a smaller batch for more experts on the GPU), which is what llama-server's --fit leaves fixed."""
 
-    knob: PlacementKnob
-    upper: int
+    shape: ModelShape
+    base: EngineConfig
+    budget: int
+
+    @property
+    def knob(self) -> PlacementKnob:
+        return PlacementKnob.experts if self.shape.n_expert else PlacementKnob.layers
+
+    def __call__(self, params: dict[str, Any]) -> int:
+        """The placement for a point's settings (`suggest`'s names); where nothing fits, the least on the GPU,
+        which the trial then refuses as over the budget before it loads."""
+        config = to_engine_config(params, self.base)
+        if self.knob is PlacementKnob.experts:
+            moved = fewest_expert_layers(self.shape, config, self.budget)
+            return self.shape.n_layer if moved is None else moved
+        return most_layers(self.shape, config, self.budget) or 0
+
+
+@dataclass(frozen=True)
+class PlacementSearch:
+    """Where a model that does not fit lives: each point's placement from `fit`, and the thread counts searched
+    with it (one: set, none: the base config's)."""
+
+    fit: PlacementFit
     threads: tuple[int, ...] = ()
 
 
@@ -128,11 +157,11 @@ def suggest(trial: Any, space: SearchSpace, contexts: list[int], placement: Plac
     else:
         params["flash_attn"] = trial.suggest_categorical("flash_attn", [f.value for f in space.flash_attn])
     if placement is not None:
-        params[placement.knob.value] = trial.suggest_int(placement.knob.value, 0, placement.upper)
         if len(placement.threads) > 1:
             params["n_threads"] = trial.suggest_categorical("n_threads", list(placement.threads))
         elif placement.threads:
             params["n_threads"] = placement.threads[0]
+        params[placement.fit.knob.value] = placement.fit(params)
     if space.spec_mode != [SpecMode.off]:  # searched only when the space asks: it changes what is measured
         params["spec_mode"] = trial.suggest_categorical("spec_mode", [m.value for m in space.spec_mode])
     if params.get("spec_mode", SpecMode.off.value) != SpecMode.off.value:  # its settings matter only when on
