@@ -6,7 +6,11 @@ grammar sampler (rows marked "(GBNF)": the candidate it replaced, kept side by s
 
 The unconstrained twin has the same prompt and generates as many tokens as the constrained run did (EOS
 ignored), so the ratio is the grammar's cost alone: a tool call's prompt (the tools listed) is longer than a
-plain question's, and a longer context decodes slower whatever constrains it. Reported per mode: median decode
+plain question's, and a longer context decodes slower whatever constrains it. Both runs start from an empty slot
+(the slot erased, no host-RAM prompt cache; llama-server: `cache_prompt` off), so both prefill the prompt and pay
+what follows a prefill: with the twin's prompt cached, it skipped that, and on the H100 (2026-12-05) every mode
+then decoded ~10% slower than its twin while the sampler's own share was ~2% (`--breakdown`), a gap outside
+the grammar (llama.cpp rebuilds its graph for the first single-token step after a prefill). Reported per mode: median decode
 tok/s of a single stream (after its first token) constrained and unconstrained, ms per token, the median of the
 per-round ratios (the twin runs right after its constrained run), and how often the grammar rejected the
 model's own choice (then a guide samples from its mask; GBNF checks the best candidates one by one,
@@ -177,6 +181,8 @@ def generate(engine: Engine, tokens: list[int], params: SamplingParams) -> Usage
 
 def run(engine: Engine, text: str, constraint: Constraint | None, tools: bool, n: int, gen: int,
         ignore_eos: bool = False) -> dict[str, Any]:
+    """One request from an empty slot (the engine has one), so that every run prefills its prompt."""
+    engine.erase_slot(0)
     before = engine.stats()["counters"]
     params = SamplingParams(max_tokens=gen, temperature=0.0, constraint=constraint, ignore_eos=ignore_eos)
     usage = generate(engine, prompt(engine, text, tools, n), params)
@@ -243,7 +249,7 @@ def server_body(name: str, mode: Mode, n: int, max_tokens: int, twin: bool) -> d
     """The request as llama-server's API says it: the mode's own fields, or (the twin) none of them."""
     messages = [{"role": "user", "content": f"(request {n}) {mode.text}"}]
     body: dict[str, Any] = {"messages": messages_for_plain_template(messages, [WEATHER]) if mode.tools else messages,
-                            "max_tokens": max_tokens, "temperature": 0.0, "stream": False}
+                            "max_tokens": max_tokens, "temperature": 0.0, "stream": False, "cache_prompt": False}
     if mode.tools and not twin:
         body["grammar"] = mode.gbnf
     if twin:
@@ -347,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench_constrained.json")
     args = parser.parse_args(argv)
     config = EngineConfig(model=args.model, n_gpu_layers=args.gpu_layers, n_parallel=1, n_ctx=2048, seed=1,
-                          n_threads=args.threads)
+                          n_threads=args.threads, cache_ram_mib=0)
     engine = Engine(config)
     table = modes()
     ours = {**{name: (mode, mode.guide) for name, mode in table.items()},
