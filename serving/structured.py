@@ -2,10 +2,10 @@
 llguidance grammars, enforced with a token mask (serving/llama.py's SamplerChain); a client's raw GBNF
 `grammar` goes to llama.cpp's grammar sampler as llama-server takes it.
 
-Why llguidance: per token it checks the model's own choice in ~3 us and computes the whole mask in ~10-30 us
-where llama.cpp's grammar sampler took ~10-18 us for the check and 3-5 ms for a pass over the vocabulary on
-every rejected token (the embedded model, this CPU; docs/performance.md, "Constrained decoding"). Compiled
-grammars are cached per text, so one schema sent again is not compiled again.
+Why llguidance: it computes the whole mask in ~10-40 us (serving/guided.py computes it while the model decodes,
+so sampling pays a bit lookup), where llama.cpp's grammar sampler took ~10-18 us to check one token and 3-5 ms
+for a pass over the vocabulary on every rejected token (the embedded model, this CPU; docs/performance.md,
+"Constrained decoding"). Compiled grammars are cached per text, so one schema sent again is not compiled again.
 """
 
 from __future__ import annotations
