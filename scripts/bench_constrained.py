@@ -9,8 +9,9 @@ ignored), so the ratio is the grammar's cost alone: a tool call's prompt (the to
 plain question's, and a longer context decodes slower whatever constrains it. Both runs start from an empty slot
 (the slot erased, no host-RAM prompt cache; llama-server: `cache_prompt` off), so both prefill the prompt and pay
 what follows a prefill: with the twin's prompt cached, it skipped that, and on the H100 (2026-12-05) every mode
-then decoded ~10% slower than its twin while the sampler's own share was ~2% (`--breakdown`), a gap outside
-the grammar (llama.cpp rebuilds its graph for the first single-token step after a prefill). Reported per mode: median decode
+then decoded ~10% slower than its twin while the sampler's own share was ~2% (`--breakdown`): a gap in the decode
+calls, outside the grammar (the prefill and the first single-token steps after it, which the twin skipped).
+Reported per mode: median decode
 tok/s of a single stream (after its first token) constrained and unconstrained, ms per token, the median of the
 per-round ratios (the twin runs right after its constrained run), and how often the grammar rejected the
 model's own choice (then a guide samples from its mask; GBNF checks the best candidates one by one,

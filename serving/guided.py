@@ -6,9 +6,10 @@ as soon as the last one is chosen: a worker thread computes it while the step th
 there, and the step thread pays a bit lookup and an advance; a refused token costs a pick from the mask, not a
 mask. vLLM v1 overlaps its grammar bitmasks with the forward pass for the same reason.
 
-Why: inline, a guided greedy token cost a check (15-21 us) and an advance (7-11 us) on the development CPU, and
-a refused one 200-400 us (a mask, then the best candidates one by one); on the H100 the embedded model decodes
-a token in ~1.2 ms, so that host time made structured output 0.84-0.91x unconstrained (docs/performance.md).
+Why: inline, a guided greedy token cost a check (15-21 us) and an advance (7-11 us) in the engine on the
+development CPU, and a refused one 200-400 us (a mask, then the best candidates one by one), against a token of
+~1.15 ms for the embedded model on the H100. There, with the mask computed ahead, sampling under a guide cost
+4-24 us a token more than plain greedy (docs/performance.md, the second H100 run).
 """
 
 from __future__ import annotations
