@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-from functools import partial
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -46,6 +45,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("serving")
 T = TypeVar("T")
+# A request body up to this size is templated and tokenised on the event loop (serving/openai.py's _prepare):
+# ~0.8 ms of tokenising on a slow 2-core machine, a few hundred microseconds on a server's.
+INLINE_BODY_BYTES = 4096
+# The ASGI scope key of a request's arrival: the call that ends its count as a request being prepared for the
+# engine (Engine.arriving), set by the replica as the request enters (serving/app.py), called at its submit.
+ARRIVAL = "llama_serve_tune.arrival"
 
 
 class _App(FastAPI):
@@ -229,10 +234,22 @@ class OpenAIRoutes:
         other work (in-place tuning trials, serving/trials.py) makes a request wait its turn here."""
         yield self.ready_engine()
 
+    @contextlib.asynccontextmanager
+    async def _preparing(self, request: Request) -> AsyncIterator[Engine]:
+        """The engine's turn for one generation request, counted as being prepared (since its bytes arrived,
+        ARRIVAL) until it is submitted or refused: an idle engine holds a burst's first prefill for the others
+        (serving/engine.py)."""
+        async with self.engine_turn() as engine:
+            done = request.scope.get(ARRIVAL) or engine.arriving()
+            try:
+                yield engine
+            finally:
+                done()
+
     @api.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     @api.post("/chat/completions", responses=ERROR_RESPONSES, include_in_schema=False)  # llama-server's alias
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-        async with self.engine_turn() as engine:
+        async with self._preparing(request) as engine:
             job = await self._chat_job(engine, body, request)
         return await self._answer(job, body, request)
 
@@ -241,8 +258,7 @@ class OpenAIRoutes:
         plan = plan_tools(body)
         messages = [m.as_template_dict() for m in body.messages]
         kwargs = body.chat_template_kwargs or {}
-        prompt = await _off_loop(lambda: _render(engine, messages, plan.tools, kwargs, request))
-        tokens = await _off_loop(lambda: engine.tokenize_prompt(prompt))
+        prompt, tokens = await _prepare(request, lambda: _rendered(engine, messages, plan.tools, kwargs, request))
         params = _params(body, engine, _constraint(body, plan.constraint))
         handles = self._submit(engine, tokens, params, body.n, param="messages", streamed=body.stream)
         reasoning = body.reasoning_format != ReasoningFormat.none
@@ -255,15 +271,15 @@ class OpenAIRoutes:
 
     @api.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        async with self.engine_turn() as engine:
-            job = await self._completion_job(engine, body)
+        async with self._preparing(request) as engine:
+            job = await self._completion_job(engine, body, request)
         return await self._answer(job, body, request)
 
-    async def _completion_job(self, engine: Engine, body: CompletionRequest) -> Job:
+    async def _completion_job(self, engine: Engine, body: CompletionRequest, request: Request) -> Job:
         _check_request(engine, body)
         prompts = body.prompts()
-        tokenized = [p if isinstance(p, list) else await _off_loop(partial(engine.tokenize_prompt, p))
-                     for p in prompts]
+        tokenized = await _prepare(request, lambda: [p if isinstance(p, list) else engine.tokenize_prompt(p)
+                                                     for p in prompts])
         params = _params(body, engine, _constraint(body, None))
         handles: list[RequestHandle] = []
         try:
@@ -284,11 +300,10 @@ class OpenAIRoutes:
     @api.post("/v1/responses", responses=ERROR_RESPONSES)
     async def responses(self, body: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses API for text in, text out (streamed as its typed events, or whole)."""
-        async with self.engine_turn() as engine:
+        async with self._preparing(request) as engine:
             _check_request(engine, body)
             messages = body.messages()
-            prompt = await _off_loop(lambda: _render(engine, messages, None, {}, request))
-            tokens = await _off_loop(lambda: engine.tokenize_prompt(prompt))
+            _, tokens = await _prepare(request, lambda: _rendered(engine, messages, None, {}, request))
             handle = self._submit(engine, tokens, body.sampling_params(), 1, param="input", streamed=body.stream)[0]
         answer = ResponsesAnswer(engine.config.served_name, body.model_dump(mode="json"))
         state = ChoiceState(0)
@@ -516,6 +531,26 @@ def _render(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str
     except Exception as exc:  # a template that trips over these messages some other way
         log.warning("the chat template failed (request id %s)", request_id(request.headers), exc_info=True)
         raise APIError(400, "the model's chat template could not render these messages", param="messages") from exc
+
+
+def _rendered(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+              kwargs: dict[str, Any], request: Request) -> tuple[str, list[int]]:
+    """The prompt text and its tokens: one piece of work, so it crosses to a worker thread at most once."""
+    prompt = _render(engine, messages, tools, kwargs, request)
+    return prompt, engine.tokenize_prompt(prompt)
+
+
+async def _prepare(request: Request, work: Callable[[], T]) -> T:
+    """Template and tokenising for a request: on the event loop for a small body (tens to hundreds of
+    microseconds, less than a hop to a worker thread and back, which on a machine whose cores run the model
+    took 1.5-10 ms: a burst's later requests missed the first prefill), in a worker thread otherwise."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) <= INLINE_BODY_BYTES:
+        try:
+            return work()
+        except EngineStoppedError as exc:
+            raise engine_unavailable() from exc
+    return await _off_loop(work)
 
 
 async def _off_loop(work: Callable[[], T]) -> T:

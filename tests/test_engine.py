@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -113,6 +114,39 @@ def test_generation_stops_at_the_slot_end(engine: Engine) -> None:
     gen = collect(engine.submit(tokens, SamplingParams(temperature=0.0, ignore_eos=True)))
     assert gen.finish_reason == FinishReason.length
     assert gen.usage.prompt_tokens + gen.usage.completion_tokens == engine.n_ctx_slot
+
+
+def test_an_idle_engine_holds_a_burst_for_the_requests_still_being_prepared(engine: Engine) -> None:
+    """Requests that arrive together prefill in one decode, though the first was queued while the others were
+    still being prepared (Engine.arriving); a slot already busy is never held; the hold has a bound."""
+    from serving.engine import Engine
+
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    held = Engine(engine.config.model_copy(update={"burst_wait_ms": 60_000.0, "n_parallel": 2, "n_ctx": 1024,
+                                                   "cache_ram_mib": 0}))
+    try:
+        decodes = held.stats()["counters"]["decode_calls"]
+        done = held.arriving()
+        first = held.submit(held.tokenize_prompt(PROMPTS[0]), one)
+        time.sleep(0.3)  # an engine that did not hold would prefill the first alone meanwhile
+        assert held.stats()["preparing"] == 1
+        second = held.submit(held.tokenize_prompt(PROMPTS[1]), one)
+        done()
+        collect(first), collect(second)
+        assert held.stats()["counters"]["decode_calls"] - decodes == 1
+        assert held.stats()["preparing"] == 0
+
+        busy = held.submit(held.tokenize_prompt(PROMPTS[2]), GREEDY)
+        busy.get(timeout=120)  # generating
+        done = held.arriving()
+        collect(held.submit(held.tokenize_prompt(PROMPTS[3]), one))  # served while the count is still open
+        done()
+        collect(busy)
+    finally:
+        held.close()
+    done = engine.arriving()  # the default wait (milliseconds) ends by itself: a count never closed stalls nothing
+    collect(engine.submit(engine.tokenize_prompt(PROMPTS[4]), one))
+    done()
 
 
 def test_reconfigure_keeps_weights_and_waiting_requests(engine: Engine) -> None:

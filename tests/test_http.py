@@ -244,6 +244,18 @@ def test_full_engine_queue_answers_503_with_retry_after_and_the_app_keeps_servin
 
 
 @pytest.mark.serve
+def test_every_request_read_is_handed_to_the_engine_or_refused(serve_url: str) -> None:
+    """The replica counts a POST as being prepared from the moment it enters (an idle engine holds a burst's
+    first prefill for it): served, refused by validation, or refused by the route, none stays counted."""
+    bodies = [{"prompt": "The sea", "max_tokens": 2}, {"prompt": "The sea", "max_tokens": "many"},
+              {"prompt": "The sea", "max_tokens": 2, "model": "another"}, {"messages": MSG, "max_tokens": 2}]
+    statuses = [httpx.post(f"{serve_url}{CHAT if 'messages' in b else COMP}", json=b, timeout=60).status_code
+                for b in bodies]
+    assert statuses == [200, 400, 404, 200]
+    assert httpx.get(f"{serve_url}/slots", timeout=30).json()["preparing"] == 0
+
+
+@pytest.mark.serve
 def test_metrics_count_requests_by_finish_reason_and_ttft(serve_url: str) -> None:
     def count(text: str, name: str, **labels: str) -> float:
         pattern = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
@@ -553,6 +565,18 @@ class ScriptedEngine:
         self.handle_class: type | None = None
         self.params: list[Any] = []
         self.handles: list[Any] = []
+        self.preparing = 0  # arrivals open (Engine.arriving)
+
+    def arriving(self) -> Any:
+        self.preparing += 1
+        ended = False
+
+        def done() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self.preparing -= 1
+        return done
 
     def tokenize_prompt(self, text: str) -> list[int]:
         return [b % 1000 for b in text.encode()]
@@ -680,6 +704,28 @@ def test_scripted_queue_full_is_503_with_retry_after(scripted: Any) -> None:
     ok = scripted.http.post(COMP, json={"prompt": "Hi"})
     assert ok.status_code == 200 and assert_generated(ok.json())["choices"][0]["text"] == "Hello world"
     assert 'llm_requests_rejected_total{cause="queue_full"' in scripted.metrics.exposition().decode()
+
+
+@pytest.mark.engine
+def test_scripted_a_request_counts_as_preparing_until_it_is_submitted_or_refused(scripted: Any) -> None:
+    """The count an idle engine holds a burst's first prefill for (Engine.arriving) is open while a route
+    prepares the request and closed once it is submitted or refused, whatever the route and the outcome: a
+    count left open would hold every later burst for burst_wait_ms."""
+    from serving.errors import QueueFullError
+
+    engine = scripted.engine
+    seen: list[int] = []
+    tokenize = engine.tokenize_prompt
+    engine.tokenize_prompt = lambda text: (seen.append(engine.preparing), tokenize(text))[1]
+    cases = [(COMP, {"prompt": "Hi"}, None, 200), (CHAT, {"messages": MSG, "stream": True}, None, 200),
+             ("/v1/responses", {"input": "Hi"}, None, 200), (COMP, {"prompt": "Hi"}, QueueFullError(1, 1, 1), 503),
+             (CHAT, {"messages": MSG}, RuntimeError("boom"), 500),
+             (COMP, {"prompt": "Hi", "model": "other"}, None, 404)]
+    for path, body, fail, status in cases:
+        engine.fail = fail
+        assert scripted.http.post(path, json=body).status_code == status, (path, body)
+        assert engine.preparing == 0, f"{path} {body} left its arrival open"
+    assert seen == [1] * 5  # open while the five that got that far were tokenised
 
 
 @pytest.mark.engine
