@@ -403,11 +403,12 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._take_inbox()
+                from_clients = self._take_inbox()
                 self._run_commands()
                 if self._stopping:  # a command may stop the engine (a config that cannot be restored)
                     break
-                self._hold_for_burst()
+                if from_clients:
+                    self._hold_for_burst()
                 if not self._step():
                     self._wake.wait(0.5 if self._pending else None)
                     self._wake.clear()
@@ -418,9 +419,11 @@ class Engine:
             self._shut_down()
 
     def _hold_for_burst(self) -> None:
-        """Before the first prefill of an idle engine: while routes are still preparing requests (they came
-        with the one queued), wait up to burst_wait_ms for them, so all prefill in this step rather than the
-        first alone and the others a whole step later. Never while a slot is busy: streams must not stall."""
+        """Before the first prefill of an idle engine, just given a client request: while the HTTP layer is
+        still preparing others (they came with it), wait up to burst_wait_ms for them, so all prefill in this
+        step rather than the first alone and the others a whole step later. Never while a slot is busy
+        (streams must not stall), nor for requests submitted in process (a tuning trial's, which clients
+        waiting for their turn must not delay)."""
         scheduler = self._scheduler
         if not self._preparing or not scheduler.n_waiting or not scheduler.drained:
             return
@@ -449,12 +452,15 @@ class Engine:
             self._scheduler.finish(request_id, reason)
         self._outputs.deliver(deliveries)  # after the slots are released: see serving/output.py
 
-    def _take_inbox(self) -> None:
+    def _take_inbox(self) -> bool:
+        """Hand the submitted requests to the scheduler; whether any was a client's (traffic-tagged)."""
+        from_clients = False
         while True:
             try:
                 group, shape = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return from_clients
+            from_clients = from_clients or shape is not None
             for request, handle in group:
                 self._outputs.add(request, handle, shape)
             self._scheduler.add([request for request, _ in group])

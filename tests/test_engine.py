@@ -117,35 +117,45 @@ def test_generation_stops_at_the_slot_end(engine: Engine) -> None:
 
 
 def test_an_idle_engine_holds_a_burst_for_the_requests_still_being_prepared(engine: Engine) -> None:
-    """Requests that arrive together prefill in one decode, though the first was queued while the others were
-    still being prepared (Engine.arriving); a slot already busy is never held; the hold has a bound."""
+    """Client requests that arrive together prefill in one decode, though the first was queued while the
+    others were still being prepared (Engine.arriving); a busy slot is never held, nor a request submitted in
+    process (a tuning trial's); the hold has a bound."""
     from serving.engine import Engine
+    from serving.traffic import TrafficTag
 
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    held = Engine(engine.config.model_copy(update={"burst_wait_ms": 60_000.0, "n_parallel": 2, "n_ctx": 1024,
+
+    def client(e: Engine, prompt: str, params: SamplingParams = one) -> Any:
+        return e.submit_choices(e.tokenize_prompt(prompt), params, 1, traffic=TrafficTag(streamed=True))[0]
+
+    # a hold far longer than the waits below (unvalidated: the setting's own bound is a second)
+    held = Engine(engine.config.model_copy(update={"burst_wait_ms": 600_000.0, "n_parallel": 2, "n_ctx": 1024,
                                                    "cache_ram_mib": 0}))
     try:
         decodes = held.stats()["counters"]["decode_calls"]
         done = held.arriving()
-        first = held.submit(held.tokenize_prompt(PROMPTS[0]), one)
+        first = client(held, PROMPTS[0])
         time.sleep(0.3)  # an engine that did not hold would prefill the first alone meanwhile
         assert held.stats()["preparing"] == 1
-        second = held.submit(held.tokenize_prompt(PROMPTS[1]), one)
+        second = client(held, PROMPTS[1])
         done()
         collect(first), collect(second)
         assert held.stats()["counters"]["decode_calls"] - decodes == 1
         assert held.stats()["preparing"] == 0
 
-        busy = held.submit(held.tokenize_prompt(PROMPTS[2]), GREEDY)
-        busy.get(timeout=120)  # generating
-        done = held.arriving()
-        collect(held.submit(held.tokenize_prompt(PROMPTS[3]), one))  # served while the count is still open
+        done = held.arriving()  # served while the count is still open: submitted in process ...
+        assert held.submit(held.tokenize_prompt(PROMPTS[2]), one).get(timeout=60).token_ids
+        done()
+        busy = client(held, PROMPTS[3], GREEDY)
+        assert busy.get(timeout=60).token_ids
+        done = held.arriving()  # ... and beside a busy slot
+        assert client(held, PROMPTS[4]).get(timeout=60).token_ids
         done()
         collect(busy)
     finally:
         held.close()
     done = engine.arriving()  # the default wait (milliseconds) ends by itself: a count never closed stalls nothing
-    collect(engine.submit(engine.tokenize_prompt(PROMPTS[4]), one))
+    collect(client(engine, PROMPTS[4]))
     done()
 
 
