@@ -22,7 +22,7 @@ BENCH=(--max-tokens "${MAX_TOKENS:-64}" --repeats "${REPEATS:-2}" --skip-http --
 # shellcheck source=scripts/device/study-common.sh
 source "$(dirname "$0")/study-common.sh"  # say, finish; the build waited for, the dense model written
 SERVER=$BUILD/build/bin/llama-server
-[ -f "$MOE" ] || python3 scripts/make_synthetic_gguf.py --preset qwen3moe30b --tokenizer-from "$DIR/tokenizer.gguf" \
+[[ " ${JOBS:-moe dense} " != *" moe "* ]] || [ -f "$MOE" ] || python3 scripts/make_synthetic_gguf.py --preset qwen3moe30b --tokenizer-from "$DIR/tokenizer.gguf" \
   --out "$MOE" >> "$OUT/progress.log" 2>&1 || finish 4
 RC=0
 declare -A MODELS=([moe]="$MOE $MOE_BUDGET" [dense]="$MODEL $DENSE_BUDGET")

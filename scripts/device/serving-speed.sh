@@ -7,7 +7,7 @@
 #      compiles it (llguidance) and as GBNF, beside its unconstrained twin, and llama-server on the same requests,
 #      then the step thread's parts timed per token (--breakdown); with OLD_TREE=DIR (another checkout of this
 #      repository, e.g. the commit before a change) the same benchmark of ours from there, right after: an A/B
-#      in one run;
+#      in one run (OLD_HTTP_TREE=DIR: the same for the HTTP path below);
 #   3. scripts/bench_http_path.py on the embedded model: TTFT and decode through the server (the relay, and
 #      ingress=engine, through Serve's proxy; and ingress=engine under Serve's direct ingress, the thinnest path)
 #      against the engine in-process, one stream and four, and the first-token probe;
@@ -41,14 +41,24 @@ if [ -n "${OLD_TREE:-}" ]; then
 fi
 
 say "HTTP path (embedded model)"
+# HTTP_PATHS: the paths measured (bench_http_path.py's --variant/--direct words); default: Serve's proxy with the
+# relay and with ingress=engine, and ingress=engine under direct ingress
+read -r -a PATHS <<< "${HTTP_PATHS:---variant default --variant engine:ingress=engine --direct direct-engine:ingress=engine}"
+HTTP=(--engine model="$SMOL" --engine n_parallel=4 --engine n_ctx=4096 --max-tokens 64
+      --repeats "${HTTP_REPEATS:-10}" --probe 100)
 ray stop --force > /dev/null 2>&1
-python3 scripts/bench_http_path.py --variant default --variant 'engine:ingress=engine' \
-  --direct 'direct-engine:ingress=engine' --engine model="$SMOL" \
-  --engine n_parallel=4 --engine n_ctx=4096 --max-tokens 64 --repeats "${HTTP_REPEATS:-10}" --probe 100 \
-  --json-out "$OUT/bench_http_path_$GPU.json" \
+python3 scripts/bench_http_path.py "${PATHS[@]}" "${HTTP[@]}" --json-out "$OUT/bench_http_path_$GPU.json" \
   > "$OUT/http_path.txt" 2>&1
 say "HTTP path rc=$?"
 ray stop --force > /dev/null 2>&1
+if [ -n "${OLD_HTTP_TREE:-}" ]; then
+  # its Ray's replicas import `serving` through PYTHONPATH, whose first entry (env.sh) is this tree
+  (cd "$OLD_HTTP_TREE" && PYTHONPATH="$OLD_HTTP_TREE:${PYTHONPATH#*:}" python3 scripts/bench_http_path.py \
+    "${PATHS[@]}" "${HTTP[@]}" \
+    --json-out "$OUT/bench_http_path_old_$GPU.json") > "$OUT/http_path_old.txt" 2>&1
+  say "HTTP path from $OLD_HTTP_TREE rc=$?"
+  ray stop --force > /dev/null 2>&1
+fi
 
 RC=0
 if [ "${CONVERSATIONS:-1}" != 0 ]; then
