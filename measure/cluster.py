@@ -3,14 +3,17 @@ declaring its own resources (`--num-gpus 1` is accepted without a GPU: Ray only 
 tests build clusters. For the cluster tests and the soak's node-loss phase.
 
 Ray turns on token authentication for `ray start --head` here, so every node and client of the cluster runs
-with RAY_AUTH_MODE=token (`env`). The cluster keeps its files under a temp dir of its own, and `stop` ends only
-its processes (never `ray stop`, which would end every Ray on the machine: a test session's too).
+with RAY_AUTH_MODE=token and a token of the cluster's own (`env`: RAY_AUTH_TOKEN_PATH; `ray start` looks for
+~/.ray/auth_token otherwise, which only a machine that ran Ray before has). The cluster keeps its files under
+a temp dir of its own, and `stop` ends only its processes (never `ray stop`, which would end every Ray on the
+machine: a test session's too).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,6 +31,7 @@ import yaml
 from measure.targets import free_loopback_port
 
 START_TIMEOUT_S = 180.0
+TOKEN_FILE = "auth_token"  # the cluster's own Ray token, in its temp dir (RAY_AUTH_TOKEN_PATH)
 # runs a command with SIGINT's default action restored: a process started in the background by a
 # non-interactive shell ignores SIGINT, its children inherit that, and `serve run` shuts Serve down only on Ctrl-C
 WITH_CTRL_C = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
@@ -62,6 +66,7 @@ class LocalCluster:
         """What a client of this cluster (`serve run`, the tuner, the soak) runs with."""
         dashboard = {"RAY_DASHBOARD_ADDRESS": f"http://127.0.0.1:{self.dashboard_port}"} if self.dashboard_port else {}
         return {**os.environ, "RAY_TMPDIR": str(self.temp_dir), "RAY_AUTH_MODE": "token",
+                "RAY_AUTH_TOKEN_PATH": str(self.temp_dir / TOKEN_FILE),
                 "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0", **dashboard, **self.settings}
 
     @classmethod
@@ -71,6 +76,9 @@ class LocalCluster:
         With `dashboard`, the head runs Ray's dashboard, which `serve deploy` needs (~250 MB more). `settings`:
         environment every node starts with, as an operator sets Serve's cluster-wide switches at `ray start`."""
         temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # short: Ray's socket paths are length-limited
+        token = temp / TOKEN_FILE
+        token.write_text(secrets.token_hex(32))  # as `ray get-auth-token --generate` makes one
+        token.chmod(0o600)
         board_port = free_loopback_port() if dashboard else None
         cluster = cls(temp, free_loopback_port(), _node_ip(), dashboard_port=board_port, settings=dict(settings or {}))
         board = ["--include-dashboard=false"]
