@@ -51,7 +51,7 @@ from serving.http import HttpRules
 from serving.ingress import HealthReport, OpenAIIngress
 from serving.metrics import CONTENT_TYPE, ReplicaMetrics, merge_expositions
 from serving.node import here
-from serving.openai import ARRIVAL, ERROR_RESPONSES, OpenAIRoutes, api
+from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api
 from serving.relay import RelayedPart, RelayedRequest, run_relayed
 from serving.request import SamplingParams
 from serving.routing import IN_TRIAL, ROUTER, ROUTING_STATS_PERIOD_S
@@ -257,24 +257,10 @@ class LlamaServer(OpenAIRoutes):
         """A request the ingress relayed, answered by this replica's own routes (serving/relay.py)."""
         self._relays += 1
         try:
-            async for part in run_relayed(self._counted_app, request, self.stream_spacing):
+            async for part in run_relayed(self.app, request, self.stream_spacing):
                 yield part
         finally:
             self._relays -= 1
-
-    async def _counted_app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """This replica's app, a POST counted as a request being prepared from the moment it enters until its
-        route submits it or it ends (Engine.arriving): an idle engine holds a burst's first prefill for the
-        requests still being read and parsed, not only those already in a route."""
-        engine = self.host.engine
-        if scope["type"] != "http" or scope.get("method") != "POST" or engine is None:
-            await self.app(scope, receive, send)
-            return
-        done = engine.arriving()
-        try:
-            await self.app({**scope, ARRIVAL: done}, receive, send)
-        finally:
-            done()
 
     def stream_spacing(self) -> float:
         """Seconds between a stream's events (serving/openai.py) and relayed parts: `stream_interval_ms` per
@@ -504,7 +490,7 @@ class _EngineAsIngress(LlamaServer.func_or_class):  # type: ignore[name-defined]
 
     async def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:  # type: ignore[misc]
         await super().__init__(options, channel)  # Serve's wrapper sets `app` in it
-        self._front = HttpRules(self._options.api_key, tuple(self._options.cors_origins)).around(self._counted_app)
+        self._front = HttpRules(self._options.api_key, tuple(self._options.cors_origins)).around(self.app)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._relays += 1

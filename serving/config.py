@@ -194,9 +194,6 @@ class EngineConfig(BaseModel):
     seed: int = Field(-1, description="default sampling seed for requests that set none; -1 = random")
     cache_ram_mib: int = Field(8192, ge=0, description="host RAM for the states of prompts that lost their slot, "
                                "restored when their conversation returns; 0 = off [--cache-ram]")
-    burst_wait_ms: float = Field(5.0, ge=0.0, le=1000.0, description="how long an idle engine holds a new "
-                                 "request's prefill while the server is still preparing requests that came with "
-                                 "it, so a burst prefills in one batch; 0 = never")
     spec_mode: SpecMode = Field(SpecMode.off, description="speculative decoding: off | ngram (prompt lookup) | "
                                 "draft (a draft model)")
     spec_draft_max: int = Field(16, ge=1, le=64, description="most tokens guessed per step [--draft-max]")

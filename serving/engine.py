@@ -6,11 +6,6 @@ request's handle. The step thread alone owns the llama.cpp objects, the schedule
 and the output processor (serving/output.py), and it alone frees them, so no caller can free memory that
 llama.cpp is still using.
 
-A request counts as being prepared from when the HTTP layer takes it to its submit (`arriving()`): while one
-is, an idle engine holds the prefill of a request already queued for up to `burst_wait_ms`, until the others are
-submitted too, so requests that arrive together prefill in one batch (as they do when submitted together in
-process) instead of the first alone, the rest a whole step later. The count is one integer under its own lock.
-
 Each engine records the shapes of the client requests it serves (serving/traffic.py): the step thread
 completes a shape as a request's last choice ends and adds it to the TrafficRecord; /traffic and the metrics
 read the record from the event loop. One lock (`_traffic_lock`) guards the record: the step thread holds it
@@ -92,7 +87,6 @@ class EngineStats:
     counters: dict[str, int]
     spec_acceptance: float | None = None  # accepted / drafted guesses since start; None before any guess
     prompt_cache: dict[str, int] | None = None  # the host-RAM prompt cache's counts; None when off
-    preparing: int = 0  # requests the HTTP layer is reading and preparing for this engine (Engine.arriving)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,8 +128,6 @@ class Engine:
         self._outputs = OutputProcessor(self._model.token_bytes, on_shape=self._record_shape)
         self._n_ctx_slot = self._ctx.n_ctx_seq
         self._wake = threading.Event()
-        self._preparing = 0  # requests the HTTP layer is preparing for this engine (see arriving())
-        self._preparing_lock = threading.Lock()
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue[tuple[list[tuple[Request, RequestHandle]], ShapeInProgress | None]] = \
             queue.SimpleQueue()
@@ -225,24 +217,6 @@ class Engine:
         self._wake.set()
         return [handle for _, handle in group]
 
-    def arriving(self) -> Callable[[], None]:
-        """Count one request that a route is preparing (from when its bytes arrive to its submit, or its
-        refusal): while any is, an idle engine holds a queued request's prefill for it, up to burst_wait_ms.
-        Returns the call that ends the count, safe to call more than once."""
-        with self._preparing_lock:
-            self._preparing += 1
-        ended = False
-
-        def done() -> None:
-            nonlocal ended
-            with self._preparing_lock:
-                if ended:
-                    return
-                ended = True
-                self._preparing -= 1
-            self._wake.set()  # the last one submitted, or failed: a held prefill need not wait longer
-        return done
-
     def stats(self) -> dict[str, Any]:
         """Slots, queue and counters (for /slots, metrics, tests) as plain values."""
         return self.snapshot().as_dict()
@@ -258,7 +232,7 @@ class Engine:
             slots=slots, slots_busy=sum(1 for v in views if v.request_id is not None),
             queue_depth=self.queue_depth, counters=counters,
             spec_acceptance=counters["spec_accepted"] / drafted if drafted else None,
-            prompt_cache=asdict(cache.stats()) if cache is not None else None, preparing=self._preparing)
+            prompt_cache=asdict(cache.stats()) if cache is not None else None)
 
     def traffic_summary(self, replica: str = "") -> TrafficSummary:
         """The client traffic this engine has served, as a value (any thread)."""
@@ -403,12 +377,10 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                from_clients = self._take_inbox()
+                self._take_inbox()
                 self._run_commands()
                 if self._stopping:  # a command may stop the engine (a config that cannot be restored)
                     break
-                if from_clients:
-                    self._hold_for_burst()
                 if not self._step():
                     self._wake.wait(0.5 if self._pending else None)
                     self._wake.clear()
@@ -417,21 +389,6 @@ class Engine:
             raise
         finally:
             self._shut_down()
-
-    def _hold_for_burst(self) -> None:
-        """Before the first prefill of an idle engine, just given a client request: while the HTTP layer is
-        still preparing others (they came with it), wait up to burst_wait_ms for them, so all prefill in this
-        step rather than the first alone and the others a whole step later. Never while a slot is busy
-        (streams must not stall), nor for requests submitted in process (a tuning trial's, which clients
-        waiting for their turn must not delay)."""
-        scheduler = self._scheduler
-        if not self._preparing or not scheduler.n_waiting or not scheduler.drained:
-            return
-        deadline = time.perf_counter() + self.config.burst_wait_ms / 1000
-        while self._preparing and not self._stopping and (left := deadline - time.perf_counter()) > 0:
-            self._wake.wait(left)
-            self._wake.clear()
-            self._take_inbox()
 
     def _step(self) -> bool:
         """One scheduler step and its outputs. A request's own failures are handled inside the scheduler
@@ -452,15 +409,12 @@ class Engine:
             self._scheduler.finish(request_id, reason)
         self._outputs.deliver(deliveries)  # after the slots are released: see serving/output.py
 
-    def _take_inbox(self) -> bool:
-        """Hand the submitted requests to the scheduler; whether any was a client's (traffic-tagged)."""
-        from_clients = False
+    def _take_inbox(self) -> None:
         while True:
             try:
                 group, shape = self._inbox.get_nowait()
             except queue.Empty:
-                return from_clients
-            from_clients = from_clients or shape is not None
+                return
             for request, handle in group:
                 self._outputs.add(request, handle, shape)
             self._scheduler.add([request for request, _ in group])

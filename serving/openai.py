@@ -48,9 +48,6 @@ T = TypeVar("T")
 # A request body up to this size is templated and tokenised on the event loop (serving/openai.py's _prepare):
 # ~0.8 ms of tokenising on a slow 2-core machine, a few hundred microseconds on a server's.
 INLINE_BODY_BYTES = 4096
-# The ASGI scope key of a request's arrival: the call that ends its count as a request being prepared for the
-# engine (Engine.arriving), set by the replica as the request enters (serving/app.py), called at its submit.
-ARRIVAL = "llama_serve_tune.arrival"
 
 
 class _App(FastAPI):
@@ -234,22 +231,10 @@ class OpenAIRoutes:
         other work (in-place tuning trials, serving/trials.py) makes a request wait its turn here."""
         yield self.ready_engine()
 
-    @contextlib.asynccontextmanager
-    async def _preparing(self, request: Request) -> AsyncIterator[Engine]:
-        """The engine's turn for one generation request, counted as being prepared (since its bytes arrived,
-        ARRIVAL) until it is submitted or refused: an idle engine holds a burst's first prefill for the others
-        (serving/engine.py)."""
-        async with self.engine_turn() as engine:
-            done = request.scope.get(ARRIVAL) or engine.arriving()
-            try:
-                yield engine
-            finally:
-                done()
-
     @api.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     @api.post("/chat/completions", responses=ERROR_RESPONSES, include_in_schema=False)  # llama-server's alias
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-        async with self._preparing(request) as engine:
+        async with self.engine_turn() as engine:
             job = await self._chat_job(engine, body, request)
         return await self._answer(job, body, request)
 
@@ -271,7 +256,7 @@ class OpenAIRoutes:
 
     @api.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        async with self._preparing(request) as engine:
+        async with self.engine_turn() as engine:
             job = await self._completion_job(engine, body, request)
         return await self._answer(job, body, request)
 
@@ -300,7 +285,7 @@ class OpenAIRoutes:
     @api.post("/v1/responses", responses=ERROR_RESPONSES)
     async def responses(self, body: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses API for text in, text out (streamed as its typed events, or whole)."""
-        async with self._preparing(request) as engine:
+        async with self.engine_turn() as engine:
             _check_request(engine, body)
             messages = body.messages()
             _, tokens = await _prepare(request, lambda: _rendered(engine, messages, None, {}, request))
@@ -542,8 +527,8 @@ def _rendered(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[s
 
 async def _prepare(request: Request, work: Callable[[], T]) -> T:
     """Template and tokenising for a request: on the event loop for a small body (tens to hundreds of
-    microseconds, less than a hop to a worker thread and back, which on a machine whose cores run the model
-    took 1.5-10 ms: a burst's later requests missed the first prefill), in a worker thread otherwise."""
+    microseconds: less than a hop to a worker thread and back, which took 1.5-10 ms on the 2-core CPU while the
+    model's threads held the cores), in a worker thread otherwise, so a long prompt never stalls the loop."""
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) <= INLINE_BODY_BYTES:
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -114,49 +113,6 @@ def test_generation_stops_at_the_slot_end(engine: Engine) -> None:
     gen = collect(engine.submit(tokens, SamplingParams(temperature=0.0, ignore_eos=True)))
     assert gen.finish_reason == FinishReason.length
     assert gen.usage.prompt_tokens + gen.usage.completion_tokens == engine.n_ctx_slot
-
-
-def test_an_idle_engine_holds_a_burst_for_the_requests_still_being_prepared(engine: Engine) -> None:
-    """Client requests that arrive together prefill in one decode, though the first was queued while the
-    others were still being prepared (Engine.arriving); a busy slot is never held, nor a request submitted in
-    process (a tuning trial's); the hold has a bound."""
-    from serving.engine import Engine
-    from serving.traffic import TrafficTag
-
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-
-    def client(e: Engine, prompt: str, params: SamplingParams = one) -> Any:
-        return e.submit_choices(e.tokenize_prompt(prompt), params, 1, traffic=TrafficTag(streamed=True))[0]
-
-    # a hold far longer than the waits below (unvalidated: the setting's own bound is a second)
-    held = Engine(engine.config.model_copy(update={"burst_wait_ms": 600_000.0, "n_parallel": 2, "n_ctx": 1024,
-                                                   "cache_ram_mib": 0}))
-    try:
-        decodes = held.stats()["counters"]["decode_calls"]
-        done = held.arriving()
-        first = client(held, PROMPTS[0])
-        time.sleep(0.3)  # an engine that did not hold would prefill the first alone meanwhile
-        assert held.stats()["preparing"] == 1
-        second = client(held, PROMPTS[1])
-        done()
-        collect(first), collect(second)
-        assert held.stats()["counters"]["decode_calls"] - decodes == 1
-        assert held.stats()["preparing"] == 0
-
-        done = held.arriving()  # served while the count is still open: submitted in process ...
-        assert held.submit(held.tokenize_prompt(PROMPTS[2]), one).get(timeout=60).token_ids
-        done()
-        busy = client(held, PROMPTS[3], GREEDY)
-        assert busy.get(timeout=60).token_ids
-        done = held.arriving()  # ... and beside a busy slot
-        assert client(held, PROMPTS[4]).get(timeout=60).token_ids
-        done()
-        collect(busy)
-    finally:
-        held.close()
-    done = engine.arriving()  # the default wait (milliseconds) ends by itself: a count never closed stalls nothing
-    collect(client(engine, PROMPTS[4]))
-    done()
 
 
 def test_reconfigure_keeps_weights_and_waiting_requests(engine: Engine) -> None:

@@ -244,18 +244,6 @@ def test_full_engine_queue_answers_503_with_retry_after_and_the_app_keeps_servin
 
 
 @pytest.mark.serve
-def test_every_request_read_is_handed_to_the_engine_or_refused(serve_url: str) -> None:
-    """The replica counts a POST as being prepared from the moment it enters (an idle engine holds a burst's
-    first prefill for it): served, refused by validation, or refused by the route, none stays counted."""
-    bodies = [{"prompt": "The sea", "max_tokens": 2}, {"prompt": "The sea", "max_tokens": "many"},
-              {"prompt": "The sea", "max_tokens": 2, "model": "another"}, {"messages": MSG, "max_tokens": 2}]
-    statuses = [httpx.post(f"{serve_url}{CHAT if 'messages' in b else COMP}", json=b, timeout=60).status_code
-                for b in bodies]
-    assert statuses == [200, 400, 404, 200]
-    assert httpx.get(f"{serve_url}/slots", timeout=30).json()["preparing"] == 0
-
-
-@pytest.mark.serve
 def test_metrics_count_requests_by_finish_reason_and_ttft(serve_url: str) -> None:
     def count(text: str, name: str, **labels: str) -> float:
         pattern = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
@@ -565,18 +553,6 @@ class ScriptedEngine:
         self.handle_class: type | None = None
         self.params: list[Any] = []
         self.handles: list[Any] = []
-        self.preparing = 0  # arrivals open (Engine.arriving)
-
-    def arriving(self) -> Any:
-        self.preparing += 1
-        ended = False
-
-        def done() -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                self.preparing -= 1
-        return done
 
     def tokenize_prompt(self, text: str) -> list[int]:
         return [b % 1000 for b in text.encode()]
@@ -707,25 +683,30 @@ def test_scripted_queue_full_is_503_with_retry_after(scripted: Any) -> None:
 
 
 @pytest.mark.engine
-def test_scripted_a_request_counts_as_preparing_until_it_is_submitted_or_refused(scripted: Any) -> None:
-    """The count an idle engine holds a burst's first prefill for (Engine.arriving) is open while a route
-    prepares the request and closed once it is submitted or refused, whatever the route and the outcome: a
-    count left open would hold every later burst for burst_wait_ms."""
-    from serving.errors import QueueFullError
+def test_scripted_a_small_body_is_tokenised_on_the_loop_a_large_one_in_a_worker_thread(scripted: Any) -> None:
+    """Tokenising a small body inline costs less than a hop to a worker thread; a large one must not stall the
+    event loop that streams every other request's tokens. Either way the answer is the same."""
+    from serving.openai import INLINE_BODY_BYTES
 
     engine = scripted.engine
-    seen: list[int] = []
+    on_loop: list[bool] = []
     tokenize = engine.tokenize_prompt
-    engine.tokenize_prompt = lambda text: (seen.append(engine.preparing), tokenize(text))[1]
-    cases = [(COMP, {"prompt": "Hi"}, None, 200), (CHAT, {"messages": MSG, "stream": True}, None, 200),
-             ("/v1/responses", {"input": "Hi"}, None, 200), (COMP, {"prompt": "Hi"}, QueueFullError(1, 1, 1), 503),
-             (CHAT, {"messages": MSG}, RuntimeError("boom"), 500),
-             (COMP, {"prompt": "Hi", "model": "other"}, None, 404)]
-    for path, body, fail, status in cases:
-        engine.fail = fail
-        assert scripted.http.post(path, json=body).status_code == status, (path, body)
-        assert engine.preparing == 0, f"{path} {body} left its arrival open"
-    assert seen == [1] * 5  # open while the five that got that far were tokenised
+
+    def noting(text: str) -> list[int]:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return tokenize(text)
+
+    engine.tokenize_prompt = noting
+    for path, body in ((COMP, {"prompt": "Hi"}), (CHAT, {"messages": MSG})):
+        small = scripted.http.post(path, json=body)
+        large = scripted.http.post(path, json={**body, "user": "x" * INLINE_BODY_BYTES})
+        assert small.status_code == large.status_code == 200, (small.text, large.text)
+        assert assert_generated(small.json()) and assert_generated(large.json())
+    assert on_loop == [True, False, True, False]
 
 
 @pytest.mark.engine
