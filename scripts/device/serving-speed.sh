@@ -10,7 +10,8 @@
 #      in one run (OLD_HTTP_TREE=DIR: the same for the HTTP path below);
 #   3. scripts/bench_http_path.py on the embedded model: TTFT and decode through the server (the relay, and
 #      ingress=engine, through Serve's proxy; and ingress=engine under Serve's direct ingress, the thinnest path)
-#      against the engine in-process, one stream and four, and the first-token probe;
+#      against the engine in-process, one stream and four, and the first-token probe, with llama-server on the
+#      same model through the same client beside them;
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
 #      llama-server --cache-ram 8192 and 0 (CONVERSATIONS=0 skips it).
 # SMOL: the embedded GGUF (default: where install-embedded.sh installed it). OUT/progress.log says
@@ -47,9 +48,18 @@ read -r -a PATHS <<< "${HTTP_PATHS:---variant default --variant engine:ingress=e
 HTTP=(--engine model="$SMOL" --engine n_parallel=4 --engine n_ctx=4096 --max-tokens 64
       --repeats "${HTTP_REPEATS:-10}" --probe 100)
 ray stop --force > /dev/null 2>&1
-python3 scripts/bench_http_path.py "${PATHS[@]}" "${HTTP[@]}" --json-out "$OUT/bench_http_path_$GPU.json" \
-  > "$OUT/http_path.txt" 2>&1
+# llama-server on the same model, slots and context, through the same client: what any server's HTTP costs here
+LS_PORT=18080
+"$SERVER" -m "$SMOL" --host 127.0.0.1 --port $LS_PORT -np 4 -c 4096 -ngl 999 > "$OUT/llama_server_http.log" 2>&1 &
+LS_PID=$!
+for _ in $(seq 60); do
+  python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$LS_PORT/health', timeout=2)" 2>/dev/null && break
+  sleep 1
+done
+python3 scripts/bench_http_path.py "${PATHS[@]}" --server "llama-server=http://127.0.0.1:$LS_PORT/v1" "${HTTP[@]}" \
+  --json-out "$OUT/bench_http_path_$GPU.json" > "$OUT/http_path.txt" 2>&1
 say "HTTP path rc=$?"
+kill $LS_PID 2>/dev/null
 ray stop --force > /dev/null 2>&1
 if [ -n "${OLD_HTTP_TREE:-}" ]; then
   # its Ray's replicas import `serving` through PYTHONPATH, whose first entry (env.sh) is this tree
