@@ -9,6 +9,9 @@ over HTTP, llama-server), from the client's own clock:
 - prefill tok/s: prompt tokens evaluated (not served from a slot's cache) / TTFT;
 - aggregate tok/s of a round: all completion tokens of the streams started together / wall time from the
   round's start to its last stream's end;
+- send time (HTTP targets): from the same start to the moment the request's last byte left the client, its
+  own share of TTFT; a round's figure is the latest of its streams (requests started together leave one
+  after another);
 - inter-token latency: the gap between consecutive output chunks divided by the tokens in the later chunk
   (exact when chunks say how many tokens they carry, else the stream's average);
 - a repeated figure is the median over rounds.
@@ -33,6 +36,7 @@ class StreamRecord:
 
     t_start: float
     t_end: float = math.nan
+    t_sent: float = math.nan  # the request's last byte left the client (HTTP targets)
     output_times: list[float] = field(default_factory=list)
     output_tokens: list[int | None] = field(default_factory=list)
     completion_tokens: int | None = None  # the server's usage figure, when it sent one
@@ -76,6 +80,7 @@ class StreamFigures:
     prompt_tokens: int | None
     cached_tokens: int | None
     itl_s: tuple[float, ...]
+    send_s: float | None = None  # from the start until the request had left the client; None in process
 
     @property
     def prefill_tok_s(self) -> float | None:
@@ -114,7 +119,8 @@ def stream_figures(record: StreamRecord) -> StreamFigures:
     if not record.output_times:
         if record.finish_reason is None or record.completion_tokens:
             raise StreamError("the stream produced no output")
-        return StreamFigures(record.t_end - record.t_start, None, 0, record.prompt_tokens, record.cached_tokens, ())
+        return StreamFigures(record.t_end - record.t_start, None, 0, record.prompt_tokens, record.cached_tokens, (),
+                             _send_s(record))
     n = completion_tokens_of(record)
     times = record.output_times
     weights = chunk_token_weights(record, n)
@@ -127,7 +133,12 @@ def stream_figures(record: StreamRecord) -> StreamFigures:
         prompt_tokens=record.prompt_tokens,
         cached_tokens=record.cached_tokens,
         itl_s=itl,
+        send_s=_send_s(record),
     )
+
+
+def _send_s(record: StreamRecord) -> float | None:
+    return None if math.isnan(record.t_sent) else record.t_sent - record.t_start
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -165,6 +176,7 @@ class RoundFigures:
     prefill_tok_s: float | None
     itl_ms_p50: float | None
     itl_ms_p95: float | None
+    send_ms_max: float | None = None  # the latest its streams' requests left the client (HTTP targets)
 
     @classmethod
     def of(cls, streams: Sequence[StreamFigures], wall_s: float, requested_tokens: int) -> RoundFigures:
@@ -181,6 +193,7 @@ class RoundFigures:
             prefill_tok_s=_mean(s.prefill_tok_s for s in streams),
             itl_ms_p50=1e3 * percentile(itl, 50) if itl else None,
             itl_ms_p95=1e3 * percentile(itl, 95) if itl else None,
+            send_ms_max=None if any(s.send_s is None for s in streams) else 1e3 * max(s.send_s or 0.0 for s in streams),
         )
 
     @classmethod

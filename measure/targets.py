@@ -165,7 +165,12 @@ class HttpTarget:
         """POST one streaming request and timestamp every SSE event as it arrives."""
         path, body = self._body(prompt, max_tokens, ignore_eos)
         record = StreamRecord(t_start=time.perf_counter())
-        async with self._client.stream("POST", self.base_url + path, json=body) as resp:
+
+        async def sent(event: str, _: dict[str, Any]) -> None:  # httpcore's trace of this request
+            if event.endswith("send_request_body.complete"):
+                record.t_sent = time.perf_counter()
+
+        async with self._client.stream("POST", self.base_url + path, json=body, extensions={"trace": sent}) as resp:
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode(errors="replace")[:500]
                 raise StreamError(f"{self.name}: HTTP {resp.status_code} from {path}: {detail}")

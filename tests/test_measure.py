@@ -155,6 +155,54 @@ def test_round_figures_and_their_median() -> None:
         RoundFigures.median([])
 
 
+def test_a_round_says_when_its_last_request_had_left_the_client() -> None:
+    sent = [StreamFigures(0.1, 10.0, 8, 5, 0, (), send_s=0.002), StreamFigures(0.2, 10.0, 8, 5, 0, (), send_s=0.009)]
+    assert RoundFigures.of(sent, 1.0, 8).send_ms_max == pytest.approx(9.0)
+    in_process = [sent[0], StreamFigures(0.1, 10.0, 8, 5, 0, ())]
+    assert RoundFigures.of(in_process, 1.0, 8).send_ms_max is None
+    record = StreamRecord(t_start=1.0, t_end=2.0, t_sent=1.004, output_times=[1.1, 1.2], output_tokens=[1, 1])
+    assert stream_figures(record).send_s == pytest.approx(0.004)
+
+
+def test_an_http_target_times_when_its_request_left() -> None:
+    """The client's own share of TTFT: HttpTarget stamps the moment the request's last byte was written
+    (httpcore's trace), between its start and its first token."""
+    import asyncio
+
+    from measure.metrics import StreamRecord as Record
+    from measure.targets import HttpTarget
+    from measure.workload import Prompt
+
+    events = ('data: {"choices": [{"index": 0, "text": "Hi", "finish_reason": null}]}\n\n'
+              'data: {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}]}\n\ndata: [DONE]\n\n')
+    reply = (f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {len(events)}\r\n\r\n"
+             f"{events}").encode()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        await asyncio.sleep(0.05)  # the "server" thinks: the request left well before the answer
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    async def run() -> Record:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        target = HttpTarget("fake", f"http://127.0.0.1:{port}/v1")
+        try:
+            return await target.run_stream(Prompt("Hello", chat=False), 2, ignore_eos=True)
+        finally:
+            await target.aclose()
+            server.close()
+
+    record = asyncio.run(run())
+    assert record.t_start < record.t_sent < record.output_times[0]
+    assert record.output_times[0] - record.t_sent >= 0.04
+
+
 def test_ratios() -> None:
     a = RoundFigures.of([StreamFigures(0.05, 9.0, 90, None, None, ())], 1.0, 90)
     b = RoundFigures.of([StreamFigures(0.025, 10.0, 100, None, None, (0.002,))], 1.0, 100)
