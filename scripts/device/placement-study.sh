@@ -9,7 +9,9 @@
 #      then scripts/bench_device.py on those placements (ours in-process, llama-server with the same flags) and
 #      llama-server --fit on seeing the same free memory; predicted against measured VRAM and host RAM for each.
 # JOBS (default "moe dense") picks the models; EXTRA_moe / EXTRA_dense add placements of your own to its bench
-# (space-separated NAME:KEY=VALUE[,KEY=VALUE], as bench_device.py's --placement). OUT/progress.log says where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow.
+# (space-separated NAME:KEY=VALUE[,KEY=VALUE], as bench_device.py's --placement). OUT/progress.log says where it
+# is; OUT/done holds "rc=N"; OUT/placement_NAME.json grows placement by placement. Start it with setsid and poll
+# in calls that follow at once: a lent machine left idle for ~30 s goes back with everything on it.
 set -uo pipefail
 DIR=${1:?usage: placement-study.sh DIR OUT}
 OUT=${2:?usage: placement-study.sh DIR OUT}

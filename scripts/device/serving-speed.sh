@@ -15,7 +15,8 @@
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
 #      llama-server --cache-ram 8192 and 0 (CONVERSATIONS=0 skips it).
 # SMOL: the embedded GGUF (default: where install-embedded.sh installed it). OUT/progress.log says
-# where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow at once.
+# where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow at once: a lent machine
+# left idle for ~30 s goes back with everything on it (the build, the models, a run half done).
 set -uo pipefail
 DIR=${1:?usage: serving-speed.sh DIR OUT}
 OUT=${2:?usage: serving-speed.sh DIR OUT}
