@@ -5,7 +5,8 @@ nothing left behind in the parent for the next phase to count), and (2) a crash 
 phase only. The parent reads memory while the child waits, loaded and idle, before and after the workload.
 
 Protocol: the child prints tagged JSON lines on stdout (`loaded`, `done`, `error`) and waits for a line on
-stdin (`go`, then `exit`) between them.
+stdin (`go`, then `exit`) between them. `loaded` carries the buffers llama.cpp said it allocated
+(serving/buffers.py), beside which the memory model's terms can be checked one by one.
 """
 
 from __future__ import annotations
@@ -99,18 +100,21 @@ async def _child(spec: dict[str, Any]) -> int:
     from serving import llama as _llama  # noqa: F401  (first: the library load order, see serving/llama.py)
     from measure.targets import EngineTarget
     from measure.workload import PromptSet, Runner, Workload
+    from serving.buffers import llama_buffers
     from serving.config import EngineConfig
     from serving.engine import Engine
 
     try:
         config = EngineConfig(**spec["engine"])
-        engine = Engine(config)
+        with llama_buffers() as buffers:
+            engine = Engine(config)
     except Exception as exc:
         _emit({"event": "error", "error": f"{type(exc).__name__}: {exc}"})
         return 1
     try:
         _emit({"event": "loaded", "engine": {"config": config.to_yaml_dict(), "n_ctx_slot": engine.n_ctx_slot,
-                                             "weight_load_s": round(engine.weight_load_s, 2)}})
+                                             "weight_load_s": round(engine.weight_load_s, 2),
+                                             "buffers_mib": buffers}})
         await asyncio.to_thread(sys.stdin.readline)
         w = spec["workload"]
         workload = Workload(**{**w, "levels": tuple(w["levels"]), "prompt_set": PromptSet(w["prompt_set"])})

@@ -223,6 +223,7 @@ async def bench_in_process(run: Run, name: str, out: dict[str, Any]) -> None:
     workload = dataclasses.asdict(run.workload)
     async with child_engine(run.config(name).to_yaml_dict(), workload, run.args.load_timeout) as child:
         out["engine"] = await child.loaded()
+        say(f"[{name}] llama.cpp's buffers (MiB): {out['engine'].get('buffers_mib')}")
         await run.sample_memory(out, "loaded_idle", child.pid)
         out["results"] = await child.run(run.args.phase_timeout)
         await run.sample_memory(out, "after_workload", child.pid)

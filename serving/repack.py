@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
+from serving.buffers import llama_buffers
 from serving.config import CpuRepack, EngineConfig, embedded_model_path
 
 log = logging.getLogger(__name__)
@@ -269,34 +270,14 @@ def _probe_child(model_path: Path) -> int:
     return report(f"decoded {PROMPT_TOKENS}+1 tokens of {model_path.name} (weight buffers: {used})", 0)
 
 
-class WeightBufferLog(logging.Handler):
-    """Collects llama.cpp's "<buffer type> model buffer size = N MiB" load lines: where the weights went
-    (CPU_Mapped, CPU_REPACK, AMX, CUDA0, ...). Attach with weight_buffers()."""
-
-    _LINE = re.compile(r"(\S+) model buffer size =\s*([\d.]+) MiB")
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.buffers: dict[str, float] = {}
-
-    def emit(self, record: logging.LogRecord) -> None:
-        match = self._LINE.search(record.getMessage())
-        if match:
-            self.buffers[match[1]] = self.buffers.get(match[1], 0.0) + float(match[2])
-
-
 @contextlib.contextmanager
 def weight_buffers() -> Iterator[dict[str, float]]:
-    """MiB of weights per llama.cpp buffer type, for the models loaded inside the block (any thread)."""
-    handler, llama_log = WeightBufferLog(), logging.getLogger("llama.cpp")  # serving/llama.py's logger
-    level = llama_log.level
-    llama_log.addHandler(handler)
-    llama_log.setLevel(logging.DEBUG)
-    try:
-        yield handler.buffers
-    finally:
-        llama_log.removeHandler(handler)
-        llama_log.setLevel(level)
+    """MiB of weights per llama.cpp buffer type (CPU_Mapped, CPU_REPACK, AMX, CUDA0, ...), for the models loaded
+    inside the block: where the weights went."""
+    with llama_buffers() as buffers:
+        weights: dict[str, float] = {}
+        yield weights
+    weights.update(buffers.get("model", {}))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,7 +20,7 @@ def _loaded_after(module: str) -> set[str]:
 
 
 @pytest.mark.parametrize("module", ["serving.http", "serving.ingress", "serving.relay", "serving.api",
-                                    "serving.slot_files", "serving.prompt_cache"])
+                                    "serving.slot_files", "serving.prompt_cache", "serving.buffers"])
 def test_the_rooms_without_a_model_load_no_libllama(module: str) -> None:
     """The ingress holds no model: importing it (or the HTTP room, the request shapes, the relay) must not
     load libllama, the engine or the grammar compiler."""

@@ -8,13 +8,15 @@ import gc
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import yaml
 
-from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode, embedded_model_path, load_engine_config
-from tuning.memory import GPU_PROCESS_HOST_OVERHEAD, GiB, ModelShape, kv_cache_bytes, parse_bytes, predict
+from serving.config import (CacheType, CpuRepack, EngineConfig, FlashAttn, SpecMode, embedded_model_path,
+                            load_engine_config)
+from tuning.memory import GPU_PROCESS_HOST_OVERHEAD, GiB, MiB, ModelShape, kv_cache_bytes, parse_bytes, predict
 from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
 from tuning.results import TrialResult
 from tuning.space import SearchSpace, suggest, to_engine_config
@@ -648,6 +650,31 @@ def test_capacity_objective_needs_its_floor(capsys: pytest.CaptureFixture) -> No
     with pytest.raises(SystemExit) as exit_:
         main(["--objective", "capacity"])
     assert exit_.value.code == 2 and "--min-stream-tok-s" in capsys.readouterr().err
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("overrides", [
+    {"n_parallel": 2, "n_ctx": 2048},
+    {"n_parallel": 4, "n_ctx": 4096, "type_k": CacheType.q8_0, "type_v": CacheType.q8_0, "flash_attn": FlashAttn.on},
+    {"n_parallel": 1, "n_ctx": 8192, "n_batch": 256, "n_ubatch": 256},
+])
+def test_the_memory_models_terms_match_what_llama_cpp_allocates(shape: ModelShape, overrides: dict[str, Any]) -> None:
+    """Term by term against llama.cpp's own report of its buffers (serving/buffers.py), on the CPU: the weights
+    and the K/V cache to 1%, the compute buffers never under and at most 15% over (an over-prediction only
+    leaves memory unused; an under-prediction lets a config through that does not fit)."""
+    from serving.buffers import llama_buffers
+    from serving.engine import Engine
+
+    config = EngineConfig(**overrides, cpu_repack=CpuRepack.off)  # the weights in one mapped buffer on any CPU
+    predicted = predict(shape, config, on_gpu=False)
+    with llama_buffers() as buffers:
+        engine = Engine(config)
+    engine.close()
+    size = {kind: sum(by_type.values()) * MiB for kind, by_type in buffers.items()}
+    assert size["model"] == pytest.approx(predicted.weights, rel=0.01)
+    assert size["KV"] == pytest.approx(predicted.kv_cache, rel=0.01)
+    assert size["compute"] <= predicted.compute <= 1.15 * size["compute"]
 
 
 @pytest.mark.engine
