@@ -32,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
 from serving.config import CpuRepack, EngineConfig  # noqa: E402
 from serving.engine import Engine  # noqa: E402
-from serving.repack import weight_buffers  # noqa: E402
+from serving.buffers import llama_buffers  # noqa: E402
 from serving.request import SamplingParams  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 
@@ -45,8 +45,9 @@ def load(model: Path, mode: CpuRepack, args: argparse.Namespace) -> tuple[Engine
     config = EngineConfig(model=model, cpu_repack=mode, n_parallel=args.streams,
                           n_ctx=2 * args.streams * (args.prompt + args.gen), n_batch=512, n_ubatch=512,
                           n_threads=args.threads, seed=1)
-    with weight_buffers() as buffers:
+    with llama_buffers() as loaded:
         engine = Engine(config)
+    buffers = loaded.get("model", {})
     if (mode is CpuRepack.on) != any(name in EXTRA_BUFFERS for name in buffers):
         engine.close()
         raise SystemExit(f"error: cpu_repack={mode.value} loaded {model.name} into {buffers} (MiB): the engine "

@@ -140,7 +140,7 @@ def embedded_model_path() -> Path:
 
     Found through the package's installed file list, so it works in any venv or site-packages layout; once
     per process (a missing package is asked again), because every request's model-name check reaches it
-    through `served_name`, and walking the file list took ~0.2 ms.
+    through `served_name`, and walking the file list took ~0.2 ms (timed ad hoc on the development CPU).
     """
     try:
         files = importlib.metadata.files(EMBEDDED_MODEL_PACKAGE) or []

@@ -527,8 +527,8 @@ def _rendered(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[s
 
 async def _prepare(request: Request, work: Callable[[], T]) -> T:
     """Template and tokenising for a request: on the event loop for a small body (tens to hundreds of
-    microseconds: less than a hop to a worker thread and back, which took 1.5-10 ms on the 2-core CPU while the
-    model's threads held the cores), in a worker thread otherwise, so a long prompt never stalls the loop."""
+    microseconds: less than a hop to a worker thread and back, which took milliseconds on the 2-core CPU while
+    the model's threads held the cores), in a worker thread otherwise, so a long prompt never stalls the loop."""
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) <= INLINE_BODY_BYTES:
         try:

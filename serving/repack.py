@@ -35,7 +35,6 @@ device, or a config keeping layers on the CPU, is probed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -47,7 +46,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -262,22 +261,12 @@ def _probe_child(model_path: Path) -> int:
         return code
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with weight_buffers() as buffers:
+    with llama_buffers() as buffers:
         failure = probe_decode(model_path, PROMPT_TOKENS, min(4, cpus))
     if failure is not None:
         return report(failure.message, failure.code)
-    used = ", ".join(f"{name} {mib:.1f} MiB" for name, mib in buffers.items()) or "none"
+    used = ", ".join(f"{name} {mib:.1f} MiB" for name, mib in buffers.get("model", {}).items()) or "none"
     return report(f"decoded {PROMPT_TOKENS}+1 tokens of {model_path.name} (weight buffers: {used})", 0)
-
-
-@contextlib.contextmanager
-def weight_buffers() -> Iterator[dict[str, float]]:
-    """MiB of weights per llama.cpp buffer type (CPU_Mapped, CPU_REPACK, AMX, CUDA0, ...), for the models loaded
-    inside the block: where the weights went."""
-    with llama_buffers() as buffers:
-        weights: dict[str, float] = {}
-        yield weights
-    weights.update(buffers.get("model", {}))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
