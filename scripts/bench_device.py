@@ -22,7 +22,8 @@ phase, so a run cut short keeps its figures.
 Placements of a model that does not fit (`--placement NAME:KEY=VALUE,...`, engine settings over the article's
 config, e.g. `moe30:n_cpu_moe=30`) are configs like the others; with `--fit-budget SIZE`, llama-server also
 runs with `--fit on`, its margin (`--fit-target`) set so that it sees SIZE of free GPU memory, and the other
-targets' ratios are to it:
+targets' ratios are to it (placements that differ only in what --fit decides share one --fit run: its command
+is the same):
 
     python3 scripts/bench_device.py --model /tmp/moe.gguf --llama-server build/bin/llama-server \
         --configs article --placement 'cpu-moe40:n_cpu_moe=40' --fit-budget 8GiB --skip-http
@@ -128,6 +129,11 @@ class Run:
     configs: dict[str, EngineConfig] = dataclasses.field(default_factory=dict)  # by name: the built-in and --placement
     serve_port: int | None = None
     serve_error: str | None = None
+    fit_runs: dict[tuple[str, ...], str] = dataclasses.field(default_factory=dict)  # --fit flags -> config measured
+
+    def fit_flags(self, name: str) -> tuple[str, ...]:
+        """llama-server --fit's command for a config: its flags less the placement, which --fit decides."""
+        return tuple(without_placement(llama_server_flags(self.config(name))))
 
     def config(self, name: str) -> EngineConfig:
         config = self.configs.get(name) or CONFIGS[name]
@@ -202,7 +208,7 @@ async def bench_llama_server(run: Run, name: str, out: dict[str, Any], fit: bool
     a = run.args
     flags = llama_server_flags(run.config(name))
     if fit:
-        flags = [*without_placement(flags), "--fit", "on", "--fit-target", str(fit_margin_mib(run))]
+        flags = [*run.fit_flags(name), "--fit", "on", "--fit-target", str(fit_margin_mib(run))]
     async with llama_server(a.llama_server, a.model, flags, a.load_timeout, a.request_timeout) as target:
         out["server"] = target.describe()
         await run.sample_memory(out, "loaded_idle", target.extra["pid"])
@@ -272,11 +278,19 @@ async def bench_config(run: Run, name: str) -> None:
              ("ours in-process", bench_in_process, not a.skip_in_process),
              ("ours HTTP", bench_http, not a.skip_http)]
     for label, fn, enabled in steps:
-        if enabled:
-            if label == "ours HTTP":
-                ensure_serve(run)
-            entry["targets"][label] = await run_phase(run, f"[{name}] {label}", a.phase_timeout,
-                                                      functools.partial(fn, run, name))
+        if not enabled:
+            continue
+        if label == FIT and run.fit_flags(name) in run.fit_runs:  # placements differing only in what --fit sets
+            measured = run.fit_runs[run.fit_flags(name)]
+            entry["targets"][label] = {**run.report["configs"][measured]["targets"][label], "same_run_as": measured}
+            say(f"[{name}] {label}: the same command as [{measured}]'s, measured there")
+            continue
+        if label == "ours HTTP":
+            ensure_serve(run)
+        entry["targets"][label] = await run_phase(run, f"[{name}] {label}", a.phase_timeout,
+                                                  functools.partial(fn, run, name))
+        if label == FIT:
+            run.fit_runs[run.fit_flags(name)] = name
 
 
 async def phase_bandwidth(run: Run) -> None:

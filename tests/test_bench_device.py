@@ -8,6 +8,7 @@ exercised by the CPU smoke run described in the script's docstring, not here.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +85,17 @@ def test_parse_configs(bd):
     assert bd.without_placement(["-ngl", "999", "-c", "4096", "--n-cpu-moe", "3", "-ot", "x=CPU", "-fa", "on"]) == \
         ["-c", "4096", "-fa", "on"]
 
+
+@pytest.mark.engine
+def test_placements_that_differ_only_in_what_fit_decides_share_its_run(bd):
+    """--fit's command leaves the placement out, so two placements of one config would run it twice, alike."""
+    names = [bd.parse_placement(p) for p in ("l30:n_gpu_layers=30", "l31:n_gpu_layers=31",
+                                             "t8:n_gpu_layers=30,n_threads=8")]
+    args = argparse.Namespace(model=Path("/m.gguf"), threads=None)
+    run = bd.Run(args=args, gpu=None, report={}, configs=dict(names))
+    assert run.fit_flags("l30") == run.fit_flags("l31")
+    assert run.fit_flags("t8") != run.fit_flags("l30") and "8" in run.fit_flags("t8")
+    assert "-ngl" not in run.fit_flags("l30")
 
 @pytest.mark.engine
 def test_the_named_configs_are_the_articles(bd):

@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from tuning.memory import GPU_PROCESS_HOST_OVERHEAD, GiB, MiB, ModelShape, kv_ca
 from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
 from tuning.results import TrialResult
 from tuning.space import SearchSpace, suggest, to_engine_config
+from tests.helpers import script_module
 
 SMALL_SPACE = {
     "n_parallel": [1, 2], "n_batch": [256, 512], "n_ubatch": [256], "ctx_per_slot": [1024],
@@ -652,21 +654,41 @@ def test_capacity_objective_needs_its_floor(capsys: pytest.CaptureFixture) -> No
     assert exit_.value.code == 2 and "--min-stream-tok-s" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def wide_ffn_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A synthetic model whose feed-forward (3 x 32768 floats a row) outweighs its logits (49152), unlike the
+    embedded model's: 2 layers, Q4_K, ~30 MB. Random weights: memory only."""
+    for synthetic in script_module("make_synthetic_gguf"):
+        wide = dataclasses.replace(synthetic.PRESETS["qwen7b"], layers=2, hidden=256, heads=4, kv_heads=2, ffn=32768,
+                                   vocab=49152)
+        out = tmp_path_factory.mktemp("wide") / "wide_ffn.gguf"
+        synthetic.write_model(wide, out, seed=5, log=lambda _: None)
+        yield out
+
+
 @pytest.mark.engine
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("gguf", ["embedded", "wide_ffn"])
 @pytest.mark.parametrize("overrides", [
     {"n_parallel": 2, "n_ctx": 2048},
     {"n_parallel": 4, "n_ctx": 4096, "type_k": CacheType.q8_0, "type_v": CacheType.q8_0, "flash_attn": FlashAttn.on},
     {"n_parallel": 1, "n_ctx": 8192, "n_batch": 256, "n_ubatch": 256},
+    {"n_parallel": 1, "n_ctx": 8192, "flash_attn": FlashAttn.off},
+    {"n_parallel": 1, "n_ctx": 2048, "n_batch": 128, "n_ubatch": 128, "flash_attn": FlashAttn.on},
 ])
-def test_the_memory_models_terms_match_what_llama_cpp_allocates(shape: ModelShape, overrides: dict[str, Any]) -> None:
+def test_the_memory_models_terms_match_what_llama_cpp_allocates(gguf: str, overrides: dict[str, Any],
+                                                                 request: pytest.FixtureRequest) -> None:
     """Term by term against llama.cpp's own report of its buffers (serving/buffers.py), on the CPU: the weights
-    and the K/V cache to 1%, the compute buffers never under and at most 15% over (an over-prediction only
-    leaves memory unused; an under-prediction lets a config through that does not fit)."""
+    and the K/V cache to 1%; the compute buffers never under and at most 7% over (the largest graph stage and
+    the allocator's fragmentation allowance: an over-prediction leaves memory unused, an under-prediction lets
+    a config through that does not fit). Two models, so both stages that can be the largest are checked: the
+    embedded one's logits, the wide one's feed-forward (and, without flash attention, the f32 mask with it)."""
     from serving.buffers import llama_buffers
     from serving.engine import Engine
 
-    config = EngineConfig(**overrides, cpu_repack=CpuRepack.off)  # the weights in one mapped buffer on any CPU
+    path = embedded_model_path() if gguf == "embedded" else request.getfixturevalue("wide_ffn_model")
+    shape = ModelShape.from_gguf(path)
+    config = EngineConfig(model=path, **overrides, cpu_repack=CpuRepack.off)  # the weights in one mapped buffer
     predicted = predict(shape, config, on_gpu=False)
     with llama_buffers() as buffers:
         engine = Engine(config)
@@ -674,7 +696,7 @@ def test_the_memory_models_terms_match_what_llama_cpp_allocates(shape: ModelShap
     size = {kind: sum(by_type.values()) * MiB for kind, by_type in buffers.items()}
     assert size["model"] == pytest.approx(predicted.weights, rel=0.01)
     assert size["KV"] == pytest.approx(predicted.kv_cache, rel=0.01)
-    assert size["compute"] <= predicted.compute <= 1.15 * size["compute"]
+    assert size["compute"] <= predicted.compute <= 1.07 * size["compute"]
 
 
 @pytest.mark.engine

@@ -6,7 +6,8 @@ more), the token embedding stays in host memory, a tensor override (`override_te
 tensors it matches where it says, and a layer's K/V lives with the layer unless `kv_offload` is off. The K/V
 term is exact arithmetic
 (2 x layers x kv_heads x head_dim x bytes(type) x cells, with llama.cpp's padding of cells to 256 per slot);
-the compute term is an upper-bound estimate of llama.cpp's graph reservation for one micro-batch. The tuner
+the compute term is the largest stage of llama.cpp's graph for one micro-batch (its allocator reuses memory
+between stages), with an allowance for fragmentation; the GPU's runtime share is set from measured runs. The tuner
 rejects a config predicted over budget without loading it, and reports predicted next to measured memory
 for every trial it does run, so the estimate's error is visible.
 """
@@ -31,8 +32,13 @@ CACHE_TYPE_BYTES: dict[CacheType, float] = {
     CacheType.q5_0: 22 / 32, CacheType.q5_1: 24 / 32, CacheType.iq4_nl: 18 / 32,
 }
 
-# what a GPU process holds before any tensor: CUDA context, cuBLAS workspace, llama.cpp's pools
-GPU_RUNTIME_OVERHEAD = 600 * MiB
+# what a GPU process holds beyond its tensors once it has served: CUDA context, cuBLAS workspace, llama.cpp's
+# memory pool. Set from the H100 and H200 runs (docs/performance.md): a dense model's GPU memory after a workload
+# less its weights, K/V and compute buffers came to 574-603 MiB, ours and llama-server's.
+GPU_RUNTIME_OVERHEAD = 608 * MiB
+# ggml's allocator places a graph's tensors best-fit; what it reserves exceeded the largest stage's live tensors
+# by up to 4.3% on the CPU (SmolLM2-135M and a synthetic wide-FFN model, micro-batches of 32 to 2048 rows)
+COMPUTE_FRAGMENTATION = 1.0625
 # a CPU process: the Python interpreter and llama.cpp's host-side state
 CPU_RUNTIME_OVERHEAD = 64 * MiB
 # a GPU process's host memory beyond its tensors: the CUDA driver and runtime libraries it maps (cuBLAS among
@@ -158,17 +164,33 @@ def kv_cache_bytes(shape: ModelShape, config: EngineConfig) -> int:
 
 
 def compute_bytes(shape: ModelShape, config: EngineConfig) -> int:
-    """llama.cpp's compute-graph reservation for one micro-batch (worst case: every row outputs logits).
+    """llama.cpp's compute-graph reservation for one micro-batch of `n_ubatch` rows, every row outputting logits.
 
-    Logits (n_vocab floats a row) plus the widest activations (FFN); without flash attention, the KQ
-    score matrix over a whole slot (heads x cells x rows, f32) is also materialised.
+    ggml's allocator reuses memory between the graph's stages, so the reservation is the largest stage, not the
+    sum: the output (each row's logits beside two hidden-state rows), a layer's feed-forward (gate, up and their
+    product, four hidden-state rows, and the attention mask over a slot's cells, f16 with flash attention, else
+    f32), or without flash attention a layer's attention scores (heads x cells a row). Its allocator's
+    fragmentation adds up to ~4% (measured on the CPU against llama.cpp's own report: tests/test_tuning.py),
+    covered by COMPUTE_FRAGMENTATION.
     """
-    rows = config.n_ubatch
-    activations = rows * 4 * (shape.n_vocab + 3 * shape.n_ff + 4 * shape.n_embd)
-    attention = 0
-    if config.flash_attn == FlashAttn.off:
-        attention = rows * shape.n_head * config.n_ctx_per_slot * 4
-    return activations + attention
+    rows = min(config.n_ubatch, config.n_ctx_cells)
+    cells = config.n_ctx_per_slot  # a row attends over its own slot's cells (kv_unified off)
+    flash = config.flash_attn != FlashAttn.off  # auto: llama.cpp turns it on where the backend has it (CPU, CUDA)
+    mask = cells * (2 if flash else 4)
+    output = 4 * (shape.n_vocab + 2 * shape.n_embd)
+    feed_forward = 4 * (3 * shape.n_ff + 4 * shape.n_embd) + mask
+    attention = 0 if flash else 4 * (shape.n_head * cells + 4 * shape.n_embd) + mask
+    return int(rows * max(output, feed_forward, attention) * COMPUTE_FRAGMENTATION)
+
+
+def gpu_pool_bytes(shape: ModelShape, config: EngineConfig) -> int:
+    """What llama.cpp's CUDA memory pool grows to while serving a mixture of experts, beyond the runtime's
+    fixed share: its expert matmul copies each micro-batch's rows per routed expert into pooled scratch (input
+    and output widths, f32). Dense models' pool use is inside GPU_RUNTIME_OVERHEAD."""
+    if not shape.n_expert:
+        return 0
+    rows = min(config.n_ubatch, config.n_ctx_cells)
+    return rows * shape.n_expert_used * (shape.n_embd + shape.n_ff) * 4
 
 
 def predict(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryEstimate:
@@ -241,7 +263,8 @@ def _one_model(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryE
     placed = place_weights(shape, config)
     kv_gpu = kv * placed.gpu_layers // shape.n_layer if config.kv_offload else 0
     cpu_compute = compute if placed.host > shape.token_embd_bytes or kv_gpu < kv else 0
-    return MemoryEstimate(weights=placed.gpu, kv_cache=kv_gpu, compute=compute, overhead=GPU_RUNTIME_OVERHEAD,
+    return MemoryEstimate(weights=placed.gpu, kv_cache=kv_gpu, compute=compute,
+                          overhead=GPU_RUNTIME_OVERHEAD + gpu_pool_bytes(shape, config),
                           host=placed.host + (kv - kv_gpu) + cpu_compute + _process_host(on_gpu))
 
 

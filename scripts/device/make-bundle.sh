@@ -50,9 +50,10 @@ DEVICE_HAS=${DEVICE_HAS:-"absl-py accelerate aiofiles aiohappyeyeballs aiohttp a
  tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
  triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash
  yarl zipp"}
-# The device's interpreter and platform (pip matches manylinux_2_N exactly, so list several).
-PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+# The device's interpreter and platform (pip matches manylinux_2_N exactly, so list several;
+# llguidance 1.9.1 ships only a cp39-abi3 manylinux_2_31 wheel).
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3
+      --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64
       --platform manylinux1_x86_64)
 

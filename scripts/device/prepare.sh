@@ -18,7 +18,8 @@ if [ ! -f "$DIR/lcpp_trim.tgz" ]; then
   python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$TMP"
   bash "$HERE/trim-llama-sdist.sh" "$TMP"/llama_cpp_python-*.tar.gz "$DIR/lcpp_trim.tgz"
 fi
-[ -d "$DIR/bundle" ] || bash "$HERE/make-bundle.sh" "$DIR/bundle"
+# a bundle folder without wheels is what a failed make-bundle.sh leaves: make it again
+ls "$DIR"/bundle/*.whl > /dev/null 2>&1 || bash "$HERE/make-bundle.sh" "$DIR/bundle"
 [ -f "$DIR/tokenizer.gguf" ] || python3 "$HERE/../make_synthetic_gguf.py" --tokenizer-only --out "$DIR/tokenizer.gguf"
 if [ ! -f "$DIR/embedded.name" ]; then
   WHEELS=$(mktemp -d)

@@ -13,7 +13,7 @@
 #      against the engine in-process, one stream and four, and the first-token probe, with llama-server on the
 #      same model through the same client beside them;
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
-#      llama-server --cache-ram 8192 and 0 (CONVERSATIONS=0 skips it).
+#      llama-server --cache-ram 8192 and 0 (CONVERSATIONS=0 skips it; CONSTRAINED=0 skips step 2).
 # SMOL: the embedded GGUF (default: where install-embedded.sh installed it). OUT/progress.log says
 # where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow at once: a lent machine
 # left idle for ~30 s goes back with everything on it (the build, the models, a run half done).
@@ -28,18 +28,20 @@ SERVER=$BUILD/build/bin/llama-server
 SMOL=${SMOL:-$(python3 -c "from serving.config import embedded_model_path as p; print(p())" 2>/dev/null)}
 [ -f "$SMOL" ] || { say "no embedded model at $SMOL"; finish 6; }
 
-say "guide costs (embedded model's vocabulary)"
-python3 scripts/guide_costs.py --model "$SMOL" --out "$OUT/guide_costs_$GPU.json" > "$OUT/guide_costs.txt" 2>&1
-say "guide costs rc=$?"
+if [ "${CONSTRAINED:-1}" != 0 ]; then
+  say "guide costs (embedded model's vocabulary)"
+  python3 scripts/guide_costs.py --model "$SMOL" --out "$OUT/guide_costs_$GPU.json" > "$OUT/guide_costs.txt" 2>&1
+  say "guide costs rc=$?"
 
-say "constrained (embedded model)"
-python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" --llama-server "$SERVER" \
-  --breakdown 3 --out "$OUT/bench_constrained_$GPU.json" > "$OUT/constrained.txt" 2>&1
-say "constrained rc=$?"
-if [ -n "${OLD_TREE:-}" ]; then
-  (cd "$OLD_TREE" && python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" \
-    --out "$OUT/bench_constrained_old_$GPU.json") > "$OUT/constrained_old.txt" 2>&1
-  say "constrained from $OLD_TREE rc=$?"
+  say "constrained (embedded model)"
+  python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" --llama-server "$SERVER" \
+    --breakdown 3 --out "$OUT/bench_constrained_$GPU.json" > "$OUT/constrained.txt" 2>&1
+  say "constrained rc=$?"
+  if [ -n "${OLD_TREE:-}" ]; then
+    (cd "$OLD_TREE" && python3 scripts/bench_constrained.py --model "$SMOL" --rounds "${ROUNDS:-5}" \
+      --out "$OUT/bench_constrained_old_$GPU.json") > "$OUT/constrained_old.txt" 2>&1
+    say "constrained from $OLD_TREE rc=$?"
+  fi
 fi
 
 say "HTTP path (embedded model)"
