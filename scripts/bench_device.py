@@ -273,7 +273,7 @@ async def bench_config(run: Run, name: str) -> None:
                                                     "server_args": llama_server_flags(config), "targets": {}})
     fitted: Callable[[Run, str, dict[str, Any]], Awaitable[None]] = functools.partial(bench_llama_server, fit=True)
     steps: list[tuple[str, Callable[[Run, str, dict[str, Any]], Awaitable[None]], bool]] = [
-             ("llama-server", bench_llama_server, not a.skip_llama_server),
+             ("llama-server", bench_llama_server, not (a.skip_llama_server or a.fit_only)),
              (FIT, fitted, bool(a.fit_budget) and not a.skip_llama_server),
              ("ours in-process", bench_in_process, not a.skip_in_process),
              ("ours HTTP", bench_http, not a.skip_http)]
@@ -402,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="measured rounds per level after a warm-up; median")
     p.add_argument("--threads", type=int, help="-t for llama-server and n_threads for ours (default: each its own)")
     p.add_argument("--skip-llama-server", action="store_true")
+    p.add_argument("--fit-only", action="store_true", help="with --fit-budget: llama-server runs only with --fit, "
+                   "not with each config's own flags (a placement study's shortest run)")
     p.add_argument("--skip-in-process", action="store_true")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--serve-preload-libllama", action="store_true",

@@ -9,7 +9,8 @@
 #      then scripts/bench_device.py on those placements (ours in-process, llama-server with the same flags) and
 #      llama-server --fit on seeing the same free memory; predicted against measured VRAM and host RAM for each.
 # JOBS (default "moe dense") picks the models; EXTRA_moe / EXTRA_dense add placements of your own to its bench
-# (space-separated NAME:KEY=VALUE[,KEY=VALUE], as bench_device.py's --placement). OUT/progress.log says where it
+# (space-separated NAME:KEY=VALUE[,KEY=VALUE], as bench_device.py's --placement); SAME_FLAGS=0 runs llama-server
+# only with --fit, not also with each placement's own flags. OUT/progress.log says where it
 # is; OUT/done holds "rc=N"; OUT/placement_NAME.json grows placement by placement. Start it with setsid and poll
 # in calls that follow at once: a lent machine left idle for ~30 s goes back with everything on it.
 set -uo pipefail
@@ -21,6 +22,7 @@ MOE=${MOE:-/tmp/moe30.gguf}
 MOE_BUDGET=${MOE_BUDGET:-8GiB}
 DENSE_BUDGET=${DENSE_BUDGET:-10GiB}
 BENCH=(--max-tokens "${MAX_TOKENS:-64}" --repeats "${REPEATS:-2}" --skip-http --bw-gib 2)
+[ "${SAME_FLAGS:-1}" != 0 ] || BENCH+=(--fit-only)  # llama-server with --fit only, not with each placement's flags
 # shellcheck source=scripts/device/study-common.sh
 source "$(dirname "$0")/study-common.sh"  # say, finish; the build waited for, the dense model written
 SERVER=$BUILD/build/bin/llama-server
