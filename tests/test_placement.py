@@ -303,3 +303,27 @@ def test_the_gpu_prediction_covers_what_recorded_runs_held_after_serving(synthet
                     assert predicted <= 1.03 * held, f"{name}: predicted {predicted >> 20} MiB, held {held >> 20}"
                 checked += 1
     assert checked >= 2
+
+
+@pytest.mark.engine
+def test_the_gpu_prediction_is_near_what_tuner_trials_held_after_loading(synthetic: ModuleType) -> None:
+    """The tuner's own trials of the dense model at 10 GiB on the H100 (docs/results/h100_2026-12-05d): each
+    trial process's GPU memory once its engine had loaded, against the prediction, within 2% either way. Among
+    them 16 slots of 8,192 cells with an f16 K and a q8_0 V cache, whose CUDA flash attention converts and copies
+    a layer's K/V into the compute buffer (0.57 GiB over the prediction before that term)."""
+    import json
+
+    from tuning.memory import predict
+
+    shape = _preset_shape(synthetic, "qwen27b")
+    results = Path(__file__).resolve().parent.parent / "docs" / "results" / "h100_2026-12-05d"
+    base = json.loads((results / "placement_dense.json").read_text())["configs"]["layers"]["engine_config"]
+    trials = json.loads((results / "study_dense" / "trials_memory.json").read_text())["trials"]
+    for trial in trials:
+        settings = dict(trial["config"])
+        settings["n_ctx"] = settings.pop("ctx_per_slot") * settings["n_parallel"]
+        fields = {k: v for k, v in base.items() if k in EngineConfig.model_fields}
+        predicted = predict(shape, EngineConfig(**{**fields, **settings, "model": "/m.gguf"}), on_gpu=True).total
+        held = trial["mem_measured"]
+        assert abs(predicted - held) <= 0.02 * held, (trial["config"], predicted >> 20, held >> 20)
+    assert len(trials) == 4

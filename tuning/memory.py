@@ -39,6 +39,9 @@ GPU_RUNTIME_OVERHEAD = 608 * MiB
 # ggml's allocator places a graph's tensors best-fit; what it reserves exceeded the largest stage's live tensors
 # by up to 4.3% on the CPU (SmolLM2-135M and a synthetic wide-FFN model, micro-batches of 32 to 2048 rows)
 COMPUTE_FRAGMENTATION = 1.0625
+# ggml's CUDA backend runs an op on the GPU whose weights live in host memory once a micro-batch has this many
+# rows (its op offload), copying what the op reads
+OP_OFFLOAD_MIN_ROWS = 32
 # a CPU process: the Python interpreter and llama.cpp's host-side state
 CPU_RUNTIME_OVERHEAD = 64 * MiB
 # a GPU process's host memory beyond its tensors: the CUDA driver and runtime libraries it maps (cuBLAS among
@@ -163,7 +166,7 @@ def kv_cache_bytes(shape: ModelShape, config: EngineConfig) -> int:
     return int(per_cell * config.n_ctx_cells)
 
 
-def compute_bytes(shape: ModelShape, config: EngineConfig) -> int:
+def compute_bytes(shape: ModelShape, config: EngineConfig, on_gpu: bool = False, kv_in_host: bool = False) -> int:
     """llama.cpp's compute-graph reservation for one micro-batch of `n_ubatch` rows, every row outputting logits.
 
     ggml's allocator reuses memory between the graph's stages, so the reservation is the largest stage, not the
@@ -171,7 +174,11 @@ def compute_bytes(shape: ModelShape, config: EngineConfig) -> int:
     product, four hidden-state rows, and the attention mask over a slot's cells, f16 with flash attention, else
     f32), or without flash attention a layer's attention scores (heads x cells a row). Its allocator's
     fragmentation adds up to ~4% (measured on the CPU against llama.cpp's own report: tests/test_tuning.py),
-    covered by COMPUTE_FRAGMENTATION.
+    covered by COMPUTE_FRAGMENTATION. On a GPU (`on_gpu`) flash attention is a stage of its own: CUDA's kernels
+    for a micro-batch read K and V as f16, so a layer's cached K and V of any other type are converted into
+    the compute buffer, every slot's cells (ggml_cuda_flash_attn_ext_get_alloc_size); and where a layer's K/V
+    live in host memory (`kv_in_host`) while the GPU runs the micro-batch (op offload, from 32 rows), that
+    layer's K and V are copied in as well.
     """
     rows = min(config.n_ubatch, config.n_ctx_cells)
     cells = config.n_ctx_per_slot  # a row attends over its own slot's cells (kv_unified off)
@@ -180,7 +187,20 @@ def compute_bytes(shape: ModelShape, config: EngineConfig) -> int:
     output = 4 * (shape.n_vocab + 2 * shape.n_embd)
     feed_forward = 4 * (3 * shape.n_ff + 4 * shape.n_embd) + mask
     attention = 0 if flash else 4 * (shape.n_head * cells + 4 * shape.n_embd) + mask
-    return int(rows * max(output, feed_forward, attention) * COMPUTE_FRAGMENTATION)
+    largest = rows * max(output, feed_forward, attention)
+    if on_gpu and flash:
+        largest = max(largest, rows * (4 * (shape.n_head * shape.head_dim_v + 2 * shape.n_embd) + mask)
+                      + _cuda_attention_copies(shape, config, kv_in_host and rows >= OP_OFFLOAD_MIN_ROWS))
+    return int(largest * COMPUTE_FRAGMENTATION)
+
+
+def _cuda_attention_copies(shape: ModelShape, config: EngineConfig, moved: bool) -> int:
+    """One layer's K and V, all slots' cells, as CUDA's flash attention needs them in its compute buffer: f16
+    copies of what is cached in another type, and with `moved` the cached K and V themselves (host to GPU)."""
+    widths = ((config.type_k, shape.n_head_kv * shape.head_dim_k), (config.type_v, shape.n_head_kv * shape.head_dim_v))
+    f16 = sum(width * 2 for kind, width in widths if kind != CacheType.f16)
+    cached = sum(width * CACHE_TYPE_BYTES[kind] for kind, width in widths) if moved else 0
+    return int(config.n_ctx_cells * (f16 + cached))
 
 
 def gpu_pool_bytes(shape: ModelShape, config: EngineConfig) -> int:
@@ -262,6 +282,7 @@ def _one_model(shape: ModelShape, config: EngineConfig, on_gpu: bool) -> MemoryE
                               overhead=CPU_RUNTIME_OVERHEAD, host=total_host)
     placed = place_weights(shape, config)
     kv_gpu = kv * placed.gpu_layers // shape.n_layer if config.kv_offload else 0
+    compute = compute_bytes(shape, config, on_gpu=True, kv_in_host=kv_gpu < kv)
     cpu_compute = compute if placed.host > shape.token_embd_bytes or kv_gpu < kv else 0
     return MemoryEstimate(weights=placed.gpu, kv_cache=kv_gpu, compute=compute,
                           overhead=GPU_RUNTIME_OVERHEAD + gpu_pool_bytes(shape, config),
