@@ -112,6 +112,10 @@ class ServerOptions(BaseModel):
                                  "ingress hop: the thinnest path, with Serve's direct ingress or HAProxy in front; "
                                  "a lost replica drops its connections, and /health is the answering replica's)")
     config_poll_s: float = Field(1.0, gt=0, description="how often replicas look for a published config")
+    load_timeout_s: float = Field(900.0, gt=0, description="a replica whose engine has not loaded after this "
+                                  "many seconds reports itself unhealthy and Serve replaces it (a load that "
+                                  "hangs never leaves a replica loading forever); raise it for weights on slow "
+                                  "storage")
     tuning_lease_s: float = Field(300.0, gt=0, description="an in-place study whose tuner sent no trial for "
                                   "this long is over: the replica goes back to its serving config")
     traffic_record: int = Field(4096, ge=1, description="finished client requests whose shapes (token counts, "
@@ -204,7 +208,8 @@ class LlamaServer(OpenAIRoutes):
         place = here(replica, _llama.gpu_offload_supported())
         node = f"node {place.hostname} ({place.node_ip or 'no Ray node'})"
         self.host = EngineHost(replica, HostLimits(self._options.max_queued_requests, self._options.traffic_record,
-                                                   self._options.tuning_lease_s, self._options.config_poll_s),
+                                                   self._options.tuning_lease_s, self._options.config_poll_s,
+                                                   self._options.load_timeout_s),
                                channel, node)
         self.metrics = self.host.metrics
         self._relays = 0  # requests in flight here (relayed, or HTTP with ingress=engine): their streams share the pace

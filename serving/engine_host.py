@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ class HostLimits:
     traffic_record: int
     tuning_lease_s: float
     config_poll_s: float
+    load_timeout_s: float = 900.0
 
 
 class BackgroundTasks:
@@ -96,6 +98,7 @@ class EngineHost:
         self._load_error: str | None = None  # for the operator (log, Serve, acks); clients see LOAD_FAILED
         self._loaded = threading.Event()
         self._loader: threading.Thread | None = None
+        self._load_started: float | None = None  # monotonic time of the load under way (the first, or a retry)
         self._closing = False
         self._lock = asyncio.Lock()  # one config change at a time
         self._tasks = BackgroundTasks()
@@ -111,6 +114,7 @@ class EngineHost:
             await self.apply(config)
             return
         self.metrics.model = config.served_name
+        self._load_started = time.monotonic()
         self._loader = threading.Thread(target=self._load, args=(config,), daemon=True, name="engine-load")
         self._loader.start()
         self._tasks.start("metrics-sampler", self._sample_metrics())
@@ -125,6 +129,7 @@ class EngineHost:
             if self.engine is None:  # the first load failed: try again with the new config
                 self._loaded.clear()
                 self._load_error = None
+                self._load_started = time.monotonic()
                 await asyncio.to_thread(self._load, config)
                 if self.engine is None:
                     raise RuntimeError(self._load_error)
@@ -177,10 +182,17 @@ class EngineHost:
 
     # -- state -----------------------------------------------------------------------------------------
     def failure(self) -> str | None:
-        """Why the replica should be restarted (its step thread died, a background task stopped), if so."""
+        """Why the replica should be restarted (its step thread died, a background task stopped, its engine
+        has been loading longer than load_timeout_s: a load that hangs must not leave the replica loading
+        forever, a fresh one may load), if so."""
         engine = self.engine
         if engine is not None and not engine.alive:
             return "the engine's step thread has stopped"
+        started = self._load_started
+        if engine is None and started is not None and not self._loaded.is_set():
+            waited, limit = time.monotonic() - started, self._limits.load_timeout_s
+            if waited > limit:
+                return f"the engine has not loaded after {waited:.0f} s (load_timeout_s {limit:g})"
         ended = self._tasks.ended()
         if ended and not self._closing:
             return f"background task(s) {ended} stopped"

@@ -6,6 +6,7 @@ replica."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,6 +148,39 @@ class FakeReplica:
 
 
 @pytest.mark.engine
+def test_a_load_that_hangs_makes_the_replica_unhealthy_after_load_timeout_s(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve restarts a replica only when its health check fails; a load that never returns (none finished in
+    120 s once in a full run here, no error logged) must fail it, or the replica stays loading for good."""
+    from serving import engine_host
+
+    release = threading.Event()
+
+    def hanging_load(*args: Any, **kwargs: Any) -> None:
+        release.wait(30)
+        raise RuntimeError("released by the test")
+
+    monkeypatch.setattr(engine_host, "Engine", hanging_load)
+    limits = engine_host.HostLimits(max_queued_requests=4, traffic_record=16, tuning_lease_s=60.0,
+                                    config_poll_s=60.0, load_timeout_s=0.3)
+    host = engine_host.EngineHost("r1", limits, FakeChannel())
+
+    async def scenario() -> tuple[str | None, str | None, int]:
+        await host.take(EngineConfig())
+        early = host.failure()
+        await asyncio.sleep(0.5)
+        return early, host.failure(), host.health_report().status
+
+    try:
+        early, late, status = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert early is None  # loading, within the limit: healthy, /health says loading
+    assert late is not None and "has not loaded after" in late and "load_timeout_s 0.3" in late
+    assert status == 503
+
+
+@pytest.mark.engine
 def test_follower_survives_a_failed_ack_and_acks_on_the_next_round() -> None:
     from serving.control import ConfigFollower
 
@@ -278,7 +312,7 @@ def two(serve_url: str) -> Iterator[str]:
 
     t0 = time.monotonic()
     serve.run(serving_app.main({"num_replicas": 2, "n_parallel": 1, "n_ctx": 1024, "cpus_per_replica": 0.5,
-                                "config_poll_s": 0.5}),
+                                "config_poll_s": 0.5, "load_timeout_s": 45}),
               name=APP, route_prefix=f"/{APP}")
     base = f"{serve_url}/{APP}"
     try:
