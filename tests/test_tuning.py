@@ -708,3 +708,22 @@ def test_a_draft_model_counts_in_the_memory_prediction(shape: ModelShape) -> Non
     alone, both = predict(shape, plain, on_gpu=False), predict(shape, drafting, on_gpu=False)
     assert both.weights == 2 * alone.weights and both.overhead == alone.overhead
     assert both.kv_cache == alone.kv_cache + kv_cache_bytes(shape, drafting.draft)  # f16 K/V of its own
+
+
+@pytest.mark.engine
+def test_bench_memory_reads_configs_refuses_bad_ones_and_reports_each_term(tmp_path: Path) -> None:
+    import argparse
+    import json
+
+    for bench in script_module("bench_memory"):
+        config = bench.parse_config("256/2/4096/off", Path("/m.gguf"), 1)
+        assert (config.n_ubatch, config.n_batch, config.n_parallel, config.n_ctx, config.flash_attn) == \
+            (256, 256, 2, 4096, FlashAttn.off)
+        for bad in ("256/2/4096", "a/2/4096/on", "256/2/4096/maybe", "0/2/4096/on"):
+            with pytest.raises(argparse.ArgumentTypeError):
+                bench.parse_config(bad, Path("/m.gguf"), 1)
+        assert bench.main(["--config", "64/1/1024/on", "--json-out", str(tmp_path / "m.json")]) == 0
+        (row,) = json.loads((tmp_path / "m.json").read_text())["rows"]
+        assert row["config"] == "64/1/1024/on"
+        assert row["weights_mib"] == pytest.approx(row["weights_predicted_mib"], rel=0.01)
+        assert 1.0 <= row["compute_ratio"] <= 1.07
