@@ -83,6 +83,8 @@ def test_search_runs_end_to_end_and_writes_a_loadable_config(ray_session: None, 
         assert a["nll"] > 0 and abs(a["nll_delta"]) < 0.5
         assert a["params"]["ctx_per_slot"] == 1024 and a["n_ctx"] == 1024 * a["params"]["n_parallel"]
         assert a["weight_loads"] == 1  # the actor is reused: later trials rebuild only the context
+        buffers = a["buffers_mib"]  # llama.cpp's own sizes, the weights' kept from the load across rebuilds
+        assert buffers["model"] and buffers["KV"] and buffers["compute"], buffers
     # the written config is the one a trial measured
     winner_params = [t.user_attrs["params"] for t in trials]
     assert any(to_engine_config(p, EngineConfig()).model_dump(exclude={"seed"}) ==

@@ -155,6 +155,7 @@ class MeasuredRun:
     measurement: Measurement
     setup_s: float | None = None
     held_s: float | None = None
+    buffers_mib: dict[str, dict[str, float]] | None = None  # llama.cpp's own report (serving/buffers.py), offline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +185,7 @@ class TrialResult:
     nll_baseline: float | None = None
     nll_delta: float | None = None
     mem_measured: int | None = None
+    buffers_mib: dict[str, dict[str, float]] | None = None  # llama.cpp's buffers (weights, K/V, compute) by type
     setup_s: float | None = None  # rebuilding the context (or loading, for a trial actor's first)
     held_s: float | None = None  # in place: how long the trial held its replica (clients waited up to this)
     weight_loads: int | None = None
@@ -211,7 +213,7 @@ class TrialResult:
         figures = {f.name: getattr(m, f.name) for f in fields(m)}
         goodput = m.traffic.goodput_rps if m.traffic is not None else self.goodput_rps
         return replace(self, **figures, nll_delta=m.nll_delta, setup_s=run.setup_s, held_s=run.held_s,
-                       reused=reused, goodput_rps=goodput)
+                       buffers_mib=run.buffers_mib, reused=reused, goodput_rps=goodput)
 
     def second(self, objective: Objective) -> float:
         """The second objective's figure (0 when not measured)."""

@@ -17,6 +17,7 @@ from serving import llama as _llama  # noqa: F401  (load order: ray before libll
 
 from ray import tune
 
+from serving.buffers import llama_buffers
 from serving.config import EngineConfig
 from serving.engine import Engine, EngineError
 from tuning.device import DeviceProbe
@@ -101,21 +102,28 @@ class EngineTrial(ConfigTrial):
     def setup(self, config: dict[str, Any], settings: TrialSettings) -> None:  # type: ignore[override]
         super().setup(config, settings)
         self.engine: Engine | None = None
+        self.weight_buffers: dict[str, float] = {}  # llama.cpp's weight buffers (MiB by type) from the load
         self.runner = Runner(settings.workload)
         self.probe = DeviceProbe(settings.on_gpu)
         self.baseline_nll: float | None = None
 
     def _measure(self, config: EngineConfig) -> MeasuredRun:
+        """Load (first trial) or rebuild the context, then measure; llama.cpp's buffer sizes are read as it
+        allocates them, the weights' from the load (a rebuild keeps them), so each trial's memory can be set
+        against the memory model term by term."""
         t0 = time.perf_counter()
-        if self.engine is None:
-            self.probe.mark_baseline()
-            self.engine = Engine(config)
-        else:
-            self.engine.reconfigure(config)
+        with llama_buffers() as buffers:
+            if self.engine is None:
+                self.probe.mark_baseline()
+                self.engine = Engine(config)
+                self.weight_buffers = dict(buffers.get("model", {}))
+            else:
+                self.engine.reconfigure(config)
         rebuild_s = time.perf_counter() - t0
         measured = measure_engine(self.engine, self.runner, self.probe, self.baseline_nll, self.settings.traffic)
         self.baseline_nll = measured.nll_baseline
-        return MeasuredRun(measurement=measured, setup_s=rebuild_s)
+        return MeasuredRun(measurement=measured, setup_s=rebuild_s,
+                           buffers_mib={**buffers, "model": self.weight_buffers})
 
     def cleanup(self) -> None:
         if self.engine is not None:
