@@ -332,7 +332,9 @@ async def complete(http: httpx.AsyncClient, base: str, i: int) -> httpx.Response
 @pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_two_replicas_share_the_load(two: str) -> None:
-    before = slots_by_replica(two)
+    # asked in rounds, not one run of 40: once in a full run here all 40 /slots in a row reached one replica,
+    # right after the fixture had seen both answer (both served the tests after it; the cause is not known)
+    before = wait_for_replicas(two, 30)
     assert len(before) == 2
     assert all(s["config"]["n_parallel"] == 1 and len(s["slots"]) == 1 for s in before.values())
 
@@ -345,8 +347,7 @@ def test_two_replicas_share_the_load(two: str) -> None:
     assert all(assert_generated(r.json())["usage"]["completion_tokens"] == 8 for r in responses)
 
     # each replica's counters, read (at random) until both have answered after the burst
-    after = slots_by_replica(two)
-    assert len(after) == 2, f"only {sorted(after)} answered /slots"
+    after = wait_for_replicas(two, 30)
     finished = {k: after[k]["counters"]["requests_finished"] - before.get(k, {}).get("counters", {}).get(
         "requests_finished", 0) for k in after}
     print(f"requests finished per replica: {finished}")
