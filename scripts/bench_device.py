@@ -277,11 +277,12 @@ async def bench_config(run: Run, name: str) -> None:
              (FIT, fitted, bool(a.fit_budget) and not a.skip_llama_server),
              ("ours in-process", bench_in_process, not a.skip_in_process),
              ("ours HTTP", bench_http, not a.skip_http)]
+    fit_key = run.fit_flags(name)
     for label, fn, enabled in steps:
         if not enabled:
             continue
-        if label == FIT and run.fit_flags(name) in run.fit_runs:  # placements differing only in what --fit sets
-            measured = run.fit_runs[run.fit_flags(name)]
+        if label == FIT and fit_key in run.fit_runs:  # placements differing only in what --fit sets
+            measured = run.fit_runs[fit_key]
             entry["targets"][label] = {**run.report["configs"][measured]["targets"][label], "same_run_as": measured}
             say(f"[{name}] {label}: the same command as [{measured}]'s, measured there")
             continue
@@ -290,7 +291,7 @@ async def bench_config(run: Run, name: str) -> None:
         entry["targets"][label] = await run_phase(run, f"[{name}] {label}", a.phase_timeout,
                                                   functools.partial(fn, run, name))
         if label == FIT:
-            run.fit_runs[run.fit_flags(name)] = name
+            run.fit_runs[fit_key] = name
 
 
 async def phase_bandwidth(run: Run) -> None:

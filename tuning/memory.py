@@ -180,7 +180,7 @@ def compute_bytes(shape: ModelShape, config: EngineConfig, on_gpu: bool = False,
     live in host memory (`kv_in_host`) while the GPU runs the micro-batch (op offload, from 32 rows), that
     layer's K and V are copied in as well.
     """
-    rows = min(config.n_ubatch, config.n_ctx_cells)
+    rows = _reserved_rows(config)
     cells = config.n_ctx_per_slot  # a row attends over its own slot's cells (kv_unified off)
     flash = config.flash_attn != FlashAttn.off  # auto: llama.cpp turns it on where the backend has it (CPU, CUDA)
     mask = cells * (2 if flash else 4)
@@ -192,6 +192,11 @@ def compute_bytes(shape: ModelShape, config: EngineConfig, on_gpu: bool = False,
         largest = max(largest, rows * (4 * (shape.n_head * shape.head_dim_v + 2 * shape.n_embd) + mask)
                       + _cuda_attention_copies(shape, config, kv_in_host and rows >= OP_OFFLOAD_MIN_ROWS))
     return int(largest * COMPUTE_FRAGMENTATION)
+
+
+def _reserved_rows(config: EngineConfig) -> int:
+    """Rows of the micro-batch llama.cpp reserves its graph for: n_ubatch, or every cell if there are fewer."""
+    return min(config.n_ubatch, config.n_ctx_cells)
 
 
 def _cuda_attention_copies(shape: ModelShape, config: EngineConfig, moved: bool) -> int:
@@ -211,7 +216,7 @@ def gpu_pool_bytes(shape: ModelShape, config: EngineConfig) -> int:
     use is inside GPU_RUNTIME_OVERHEAD."""
     if not shape.n_expert:
         return 0
-    rows = min(config.n_ubatch, config.n_ctx_cells)
+    rows = _reserved_rows(config)
     return rows * shape.n_expert_used * (shape.n_embd + shape.n_ff) * 4
 
 
