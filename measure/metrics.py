@@ -44,6 +44,7 @@ class StreamRecord:
     cached_tokens: int | None = None
     finish_reason: str | None = None
     fingerprint: str | None = None
+    engine_ttft_ms: float | None = None  # the engine's own time to first token, when it reported one
     parts: list[str] = field(default_factory=list)  # the text, as it came
 
     @property
@@ -68,6 +69,8 @@ class StreamRecord:
             self.cached_tokens = info.usage.cached_tokens
         if info.fingerprint:
             self.fingerprint = info.fingerprint
+        if info.engine_ttft_ms is not None:
+            self.engine_ttft_ms = info.engine_ttft_ms
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class StreamFigures:
     cached_tokens: int | None
     itl_s: tuple[float, ...]
     send_s: float | None = None  # from the start until the request had left the client; None in process
+    engine_ttft_s: float | None = None  # the engine's own account of ttft_s (StreamRecord.engine_ttft_ms)
 
     @property
     def prefill_tok_s(self) -> float | None:
@@ -120,7 +124,7 @@ def stream_figures(record: StreamRecord) -> StreamFigures:
         if record.finish_reason is None or record.completion_tokens:
             raise StreamError("the stream produced no output")
         return StreamFigures(record.t_end - record.t_start, None, 0, record.prompt_tokens, record.cached_tokens, (),
-                             _send_s(record))
+                             _send_s(record), _engine_ttft_s(record))
     n = completion_tokens_of(record)
     times = record.output_times
     weights = chunk_token_weights(record, n)
@@ -134,11 +138,16 @@ def stream_figures(record: StreamRecord) -> StreamFigures:
         cached_tokens=record.cached_tokens,
         itl_s=itl,
         send_s=_send_s(record),
+        engine_ttft_s=_engine_ttft_s(record),
     )
 
 
 def _send_s(record: StreamRecord) -> float | None:
     return None if math.isnan(record.t_sent) else record.t_sent - record.t_start
+
+
+def _engine_ttft_s(record: StreamRecord) -> float | None:
+    return None if record.engine_ttft_ms is None else record.engine_ttft_ms / 1e3
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -177,6 +186,7 @@ class RoundFigures:
     itl_ms_p50: float | None
     itl_ms_p95: float | None
     send_ms_max: float | None = None  # the latest its streams' requests left the client (HTTP targets)
+    engine_ttft_ms: float | None = None  # the mean of the engine's own TTFTs (None unless every stream had one)
 
     @classmethod
     def of(cls, streams: Sequence[StreamFigures], wall_s: float, requested_tokens: int) -> RoundFigures:
@@ -194,6 +204,8 @@ class RoundFigures:
             itl_ms_p50=1e3 * percentile(itl, 50) if itl else None,
             itl_ms_p95=1e3 * percentile(itl, 95) if itl else None,
             send_ms_max=None if any(s.send_s is None for s in streams) else 1e3 * max(s.send_s or 0.0 for s in streams),
+            engine_ttft_ms=None if any(s.engine_ttft_s is None for s in streams)
+            else 1e3 * statistics.fmean(s.engine_ttft_s or 0.0 for s in streams),
         )
 
     @classmethod

@@ -81,6 +81,7 @@ class ChunkInfo:
     usage: Usage | None
     fingerprint: str | None
     token_chunk: bool = False  # a /completions chunk before the final one: it carries a token, text or not
+    engine_ttft_ms: float | None = None  # the server's own time to first token (`timings`, see _engine_ttft_ms)
 
     @property
     def has_output(self) -> bool:
@@ -111,6 +112,18 @@ def _usage(payload: dict[str, Any]) -> Usage | None:
     return Usage(_as_int(usage.get("completion_tokens")), _as_int(usage.get("prompt_tokens")), cached)
 
 
+def _engine_ttft_ms(payload: dict[str, Any]) -> float | None:
+    """The server's own account of the time to first token, from the `timings` object of a final chunk: ours
+    sends `ttft_ms` (from the engine's intake, its queue included); llama-server sends `prompt_ms` alone (from
+    its slot taking the prompt, its queue not included). The client's TTFT minus this is what the path around
+    the engine costs."""
+    timings = payload.get("timings")
+    if not isinstance(timings, dict):
+        return None
+    value = timings.get("ttft_ms", timings.get("prompt_ms"))
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def interpret_chunk(data: str, chat: bool) -> ChunkInfo:
     """Text, finish reason and usage of one OpenAI-style streaming chunk (`data`: its JSON text).
 
@@ -137,4 +150,5 @@ def interpret_chunk(data: str, chat: bool) -> ChunkInfo:
         usage=_usage(payload),
         fingerprint=payload.get("system_fingerprint"),
         token_chunk=not chat and "text" in choice and finish_reason is None,
+        engine_ttft_ms=_engine_ttft_ms(payload),
     )

@@ -90,6 +90,8 @@ class EngineTarget:
                     record.completion_tokens = chunk.usage.completion_tokens
                     record.prompt_tokens = chunk.usage.prompt_tokens
                     record.cached_tokens = chunk.usage.cached_tokens
+                    if chunk.usage.ttft_s is not None:
+                        record.engine_ttft_ms = chunk.usage.ttft_s * 1e3
         record.t_end = time.perf_counter()
         return record
 

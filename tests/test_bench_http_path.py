@@ -33,4 +33,4 @@ def test_a_saved_run_prints_paired_ratios_and_ttft_gaps_worked_out_from_its_roun
     report = json.loads((bench.REPO_ROOT / "docs" / "results" / "bench_http_path_cpu_auto.json").read_text())
     assert "paired_ratios" not in report  # saved before the report carried them
     text = bench.table(bench.with_paired_ratios(report))  # a run from before send times: "-"
-    assert "| default | 1 | 66.9 | 81.1 | 285 | - | +34.7 [+3.2, +45.6] | 0.957, 0.885 | 0.980, 0.938 |" in text
+    assert "| default | 1 | 66.9 | 81.1 | 285 | - | - | +34.7 [+3.2, +45.6] | 0.957, 0.885 | 0.980, 0.938 |" in text

@@ -164,6 +164,24 @@ def test_a_round_says_when_its_last_request_had_left_the_client() -> None:
     assert stream_figures(record).send_s == pytest.approx(0.004)
 
 
+def test_a_round_carries_the_engines_own_ttft_from_either_servers_timings() -> None:
+    """Ours reports `timings.ttft_ms` (queue included), llama-server `timings.prompt_ms`: either is the engine's
+    own TTFT, so the client's TTFT minus it is the path; a round has it only when every stream does."""
+    ours = {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 5},
+            "timings": {"ttft_ms": 12.5, "prompt_ms": 9.0}}
+    theirs = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "timings": {"prompt_ms": 7.0}}
+    assert interpret_chunk(json.dumps(ours), chat=True).engine_ttft_ms == 12.5
+    assert interpret_chunk(json.dumps(theirs), chat=False).engine_ttft_ms == 7.0
+    assert interpret_chunk(json.dumps({"choices": [], "timings": {"ttft_ms": None}}), chat=True).engine_ttft_ms is None
+    record = StreamRecord(t_start=1.0, t_end=2.0, output_times=[1.02, 1.03], output_tokens=[1, 1])
+    record.absorb(interpret_chunk(json.dumps(ours), chat=True), 1.04)
+    one = stream_figures(record)
+    assert one.engine_ttft_s == pytest.approx(0.0125)
+    other = StreamFigures(0.1, 10.0, 8, 5, 0, (), engine_ttft_s=0.0075)
+    assert RoundFigures.of([one, other], 1.0, 2).engine_ttft_ms == pytest.approx(10.0)
+    assert RoundFigures.of([one, StreamFigures(0.1, 10.0, 8, 5, 0, ())], 1.0, 2).engine_ttft_ms is None
+
+
 def test_an_http_target_times_when_its_request_left() -> None:
     """The client's own share of TTFT: HttpTarget stamps the moment the request's last byte was written
     (httpcore's trace), between its start and its first token."""

@@ -61,6 +61,8 @@ def test_levels_on_the_engine_warm_up_interleave_and_keep_every_round(engine: En
         assert single.decode_tok_s and single.decode_tok_s > 0 and single.ttft_ms > 0
         assert single.prefill_tok_s and single.prefill_tok_s > 0
         assert levels[2].median.streams == 2 and levels[2].median.aggregate_tok_s > 0
+        engine_ttft = single.engine_ttft_ms  # the engine's own account, inside what the caller waited
+        assert engine_ttft is not None and 0 < engine_ttft <= single.ttft_ms
     assert runner.prompts.next_number == 500 + 2 * 3 * 1 + 2 * 3 * 2  # 2 targets x (warm-up + 2) rounds x streams
     assert engine.stats()["counters"]["prompt_tokens_cached"] < engine.stats()["counters"]["prompt_tokens"] / 2
 
