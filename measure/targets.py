@@ -228,6 +228,8 @@ def llama_server_flags(config: EngineConfig) -> list[str]:
         flags += ["-ot", override]
     if not config.kv_offload:
         flags += ["-nkvo"]
+    if config.kv_unified:
+        flags += ["-kvu"]
     if config.split_mode != SplitMode.layer:
         flags += ["-sm", config.split_mode.value]
     if config.main_gpu:

@@ -8,7 +8,8 @@ sizes from its load log (serving/buffers.py: weights, K/V, compute), beside the 
 their ratios. On a CPU-only build the GPU terms are not exercised; scripts/bench_device.py records the same
 buffers for every placement it loads on a GPU.
 
-Configs are `ROWS/SLOTS/CONTEXT/FLASH` (n_ubatch = n_batch, n_parallel, n_ctx, flash_attn on|off|auto), e.g.
+Configs are `ROWS/SLOTS/CONTEXT/FLASH[/unified]` (n_ubatch = n_batch, n_parallel, n_ctx, flash_attn
+on|off|auto; `unified`: kv_unified on), e.g.
 
     python scripts/bench_memory.py --config 512/2/2048/on --config 128/1/2048/off --json-out /tmp/mem.json
     python scripts/make_synthetic_gguf.py --preset qwen7b --layers 2 --hidden 256 --heads 4 --kv-heads 2 \\
@@ -58,14 +59,17 @@ class TermRow:
 
 
 def parse_config(text: str, model: Path, threads: int | None) -> EngineConfig:
-    """`ROWS/SLOTS/CONTEXT/FLASH` as an engine config (weights in one mapped buffer: cpu_repack off)."""
+    """`ROWS/SLOTS/CONTEXT/FLASH[/unified]` as an engine config (weights in one mapped buffer: cpu_repack off;
+    `unified`: kv_unified on)."""
     try:
-        rows, slots, context, flash = text.split("/")
+        rows, slots, context, flash, *rest = text.split("/")
+        if rest not in ([], ["unified"]):
+            raise ValueError(f"after FLASH only 'unified' may follow, not {'/'.join(rest)!r}")
         return EngineConfig(model=model, n_batch=int(rows), n_ubatch=int(rows), n_parallel=int(slots),
                             n_ctx=int(context), flash_attn=FlashAttn(flash), cpu_repack=CpuRepack.off,
-                            n_threads=threads)
+                            n_threads=threads, kv_unified=bool(rest))
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: write ROWS/SLOTS/CONTEXT/FLASH, e.g. 512/2/2048/on "
+        raise argparse.ArgumentTypeError(f"{text!r}: write ROWS/SLOTS/CONTEXT/FLASH[/unified], e.g. 512/2/2048/on "
                                          f"({exc})") from None
 
 
@@ -92,7 +96,7 @@ def table(rows: Sequence[TermRow]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="GGUF file (default: the embedded model)")
-    p.add_argument("--config", action="append", help="ROWS/SLOTS/CONTEXT/FLASH (repeat; default: nine configs)")
+    p.add_argument("--config", action="append", help="ROWS/SLOTS/CONTEXT/FLASH[/unified] (repeat; default: nine configs)")
     p.add_argument("--threads", type=int, default=1, help="n_threads of each engine (default 1: loading only)")
     p.add_argument("--json-out", type=Path, help="write the rows and provenance here")
     args = p.parse_args(argv)

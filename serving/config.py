@@ -183,6 +183,10 @@ class EngineConfig(BaseModel):
     override_tensor: tuple[str, ...] = Field((), description="tensors matching PATTERN in "
                                        "BUFFER_TYPE, e.g. 'blk\\.(1[0-9])\\.ffn_.*_exps=CPU' [-ot]; first "
                                        "match wins, before n_cpu_moe's")
+    kv_unified: bool = Field(False, description="one K/V buffer for all slots [-kvu]: a step's rows decode in "
+                             "one micro-batch whichever slots they belong to and however long their prompts (one "
+                             "buffer per slot splits them by slot and length); every row's attention then spans "
+                             "all slots' cells. Each slot still keeps to n_ctx / n_parallel cells")
     kv_offload: bool = Field(True, description="K/V cache and attention on the GPU with their layers; false: "
                              "in host memory [-nkvo]")
     split_mode: SplitMode = Field(SplitMode.layer, description="several GPUs: how the model spreads [-sm]")
@@ -269,8 +273,14 @@ class EngineConfig(BaseModel):
     @property
     def n_ctx_per_slot(self) -> int:
         """Cells each slot owns: llama.cpp splits a non-unified K/V cache evenly, as llama-server does,
-        after rounding n_ctx and the share up to multiples of 256 (llama_context's padding)."""
+        after rounding n_ctx and the share up to multiples of 256 (llama_context's padding). A unified cache
+        is made as large (serving/llama.py), and the scheduler keeps each slot to this share of it."""
         return _pad(_pad(self.n_ctx, 256) // self.n_parallel, 256)
+
+    @property
+    def attended_cells(self) -> int:
+        """Cells one row's attention spans: its slot's, or with kv_unified every slot's (masked)."""
+        return self.n_ctx_cells if self.kv_unified else self.n_ctx_per_slot
 
     @property
     def n_ctx_cells(self) -> int:

@@ -570,7 +570,9 @@ class LlamaContext:
 
     def __init__(self, model: LlamaModel, config: EngineConfig, n_threads: int) -> None:
         params = ll.llama_context_default_params()
-        params.n_ctx = config.n_ctx
+        # a unified cache gets the cells of the per-slot layout (config.n_ctx_cells): the same memory, and
+        # every slot its n_ctx_per_slot share of it
+        params.n_ctx = config.n_ctx_cells if config.kv_unified else config.n_ctx
         params.n_batch = config.n_batch
         params.n_ubatch = config.n_ubatch
         params.n_seq_max = config.n_parallel
@@ -579,7 +581,7 @@ class LlamaContext:
         params.type_k = _GGML_TYPES[config.type_k]
         params.type_v = _GGML_TYPES[config.type_v]
         params.flash_attn_type = _FLASH_ATTN[config.flash_attn]
-        params.kv_unified = False  # each slot owns n_ctx / n_parallel cells and attends over only those
+        params.kv_unified = config.kv_unified  # off: one K/V stream per slot, each attending over its own cells
         params.offload_kqv = config.kv_offload
         params.no_perf = True
         self.model = model
@@ -592,7 +594,9 @@ class LlamaContext:
                 "(out of memory?), or use an f16 V cache if flash attention is unavailable here"
             )
         self.memory = ll.llama_get_memory(self.ptr)
-        self.n_ctx_seq: int = ll.llama_n_ctx_seq(self.ptr)
+        # unified, llama.cpp's n_ctx_seq is the whole cache: the scheduler keeps each slot to its share
+        self.n_ctx_seq: int = config.n_ctx_per_slot if config.kv_unified else ll.llama_n_ctx_seq(self.ptr)
+        self.one_stream_per_slot = not config.kv_unified
         self.n_vocab = model.n_vocab
         self.batch = Batch(config.n_batch)
         self.candidates = Candidates(self.n_vocab)
@@ -631,9 +635,9 @@ class LlamaContext:
             ll.llama_memory_seq_rm(self.memory, seq_id, from_pos, -1)
 
     def copy_seq(self, src: int, dst: int) -> None:
-        """Give slot `dst` a copy of slot `src`'s cells. Each slot is its own K/V stream (kv_unified off),
+        """Give slot `dst` a copy of slot `src`'s cells. With kv_unified off each slot is its own K/V stream,
         and llama.cpp copies a whole stream's buffers at the next decode; it accepts only full-range copies
-        across streams (p0 = p1 = -1), which is what sharing a prompt needs."""
+        across streams (p0 = p1 = -1), which is what sharing a prompt needs. Unified, the cells are shared."""
         ll.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
 
     def is_eog(self, token: int) -> bool:

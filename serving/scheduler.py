@@ -66,6 +66,8 @@ class ModelContext(DraftContext, Protocol):
     """What the scheduler needs of a llama.cpp context: one batch, one decode, per-sequence cache trims (a
     draft model's context needs the same, less what sampling and sharing prompts take)."""
 
+    one_stream_per_slot: bool  # kv_unified off: a step's rows split into micro-batches by runs of slots
+
     @property
     def batch_size(self) -> int: ...
 
@@ -443,11 +445,12 @@ class Scheduler:
         sequence ids, in order (llama_batch_allocr::split_equal, `sequential`), so busy slots 0 and 3 decode
         as two graph runs a step, each costing about a whole step (H200, 27B-class, 4 slots: two streams on
         slots apart gave 0.52x the aggregate of two adjacent ones, scripts/bench_agreement.py). A slot that
-        splits the busy ones into more runs is taken only for a cached prefix of SPLIT_WORTH tokens or more.
-        Then: the longest cached prefix over SLOT_PROMPT_SIMILARITY of the prompt, then (no prefix worth
-        reusing) the least recently used slot."""
+        splits the busy ones into more runs is taken only for a cached prefix of SPLIT_WORTH tokens or more
+        (with kv_unified on, one K/V stream for all, no slot splits a step). Then: the longest cached prefix
+        over SLOT_PROMPT_SIMILARITY of the prompt, then (no prefix worth reusing) the least recently used slot."""
         busy = {s.seq_id for s in self.slots if s.request is not None}
-        runs = {s.seq_id: _runs(busy | {s.seq_id}) for s in free}
+        split = self._ctx.one_stream_per_slot
+        runs = {s.seq_id: _runs(busy | {s.seq_id}) if split else 1 for s in free}
         fewest = min(runs.values())
         least = SLOT_PROMPT_SIMILARITY * len(prompt)
         scored = [(shared if shared > least else 0, s) for s in free for shared in [common_prefix(s.cache, prompt)]]

@@ -134,6 +134,68 @@ def test_reconfigure_keeps_weights_and_waiting_requests(engine: Engine) -> None:
         engine.reconfigure(old)
 
 
+def test_one_kv_buffer_for_all_slots_keeps_sequences_apart_bit_for_bit() -> None:
+    """kv_unified: every slot's cells in one buffer, each row masked to its own sequence's. Four prompts of
+    unequal lengths decoded in one batch give the logits each gives alone, and so do 8 greedy steps after."""
+    import numpy as np
+
+    from serving.config import EngineConfig, embedded_model_path
+    from serving.llama import LlamaContext, LlamaModel
+
+    unified = EngineConfig(n_parallel=4, n_ctx=4096, kv_unified=True)
+    model = LlamaModel(embedded_model_path(), 0, extra_bufts=False)
+    prompts = [model.tokenize(p) for p in PROMPTS[:4]]
+
+    def decode(seqs: list[int]) -> dict[int, list[np.ndarray]]:
+        ctx = LlamaContext(model, unified, 1)
+        try:
+            rows = {s: ctx.add_to_batch(prompts[s], 0, s, True) for s in seqs}
+            logits: dict[int, list[np.ndarray]] = {s: [] for s in seqs}
+            for step in range(8):
+                assert ctx.decode() == 0
+                for s in seqs:
+                    logits[s].append(np.array(ctx.logits(rows[s])))
+                ctx.clear_batch()
+                rows = {s: ctx.add_to_batch([int(logits[s][-1].argmax())], len(prompts[s]) + step, s, True)
+                        for s in seqs}
+            return logits
+        finally:
+            ctx.free()
+
+    try:
+        together = decode([0, 1, 2, 3])
+        for s in range(4):
+            alone = decode([s])[s]
+            assert all(np.array_equal(a, b) for a, b in zip(alone, together[s], strict=True)), f"sequence {s}"
+    finally:
+        model.free()
+
+
+def test_one_kv_buffer_for_all_slots_serves_choices_and_keeps_slots_to_their_share(engine: Engine) -> None:
+    """kv_unified through the engine: concurrent prompts of unequal lengths, n choices from one prefill, and a
+    slot still ends at its n_ctx / n_parallel cells with every slot full, so the slots never overfill the
+    shared cache. (Greedy text alone and beside others is not compared: in one buffer a sequence's cells can
+    lie out of order after others were freed, which changes llama.cpp's summation order in the last bits.)"""
+    old = engine.config
+    engine.reconfigure(old.model_copy(update={"kv_unified": True}))
+    try:
+        assert engine.n_ctx_slot == old.n_ctx_per_slot and engine.weight_loads == 1
+        handles = [engine.submit(engine.tokenize_prompt(p), GREEDY) for p in PROMPTS]
+        assert all(len(collect(h).tokens) == 24 for h in handles)
+        seeded = SamplingParams(max_tokens=12, temperature=0.9, seed=7)
+        choices = [collect(h) for h in engine.submit_choices(engine.tokenize_prompt(PROMPTS[2]), seeded, 3)]
+        assert all(len(c.tokens) == 12 for c in choices) and len({tuple(c.tokens) for c in choices}) > 1
+        to_the_end = SamplingParams(temperature=0.0, ignore_eos=True)
+        long = [engine.submit(engine.tokenize_prompt(f"{i} " + "word " * 900), to_the_end)
+                for i in range(old.n_parallel)]
+        for gen in map(collect, long):
+            assert gen.usage is not None and gen.finish_reason == FinishReason.length
+            assert gen.usage.prompt_tokens + gen.usage.completion_tokens == old.n_ctx_per_slot
+        assert engine.stats()["counters"]["decode_failures"] == 0
+    finally:
+        engine.reconfigure(old)
+
+
 def test_score_is_finite_and_quantised_cache_costs_little(engine: Engine) -> None:
     tokens = engine.tokenize_prompt("The river begins as a thin line of water in the hills, where rain collects.")
     nll = engine.score(tokens)

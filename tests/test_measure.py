@@ -305,5 +305,6 @@ def test_llama_server_flags_mean_the_engine_config() -> None:
     assert flag == {"-ngl": "999", "-c": "4096", "-np": "2", "-b": "512", "-ub": "512", "-ctk": "q8_0",
                     "-ctv": "q8_0", "-fa": "on", "-t": "3"}
     assert llama_server_flags(EngineConfig(cpu_repack="off"))[-1] == "--no-repack"
+    assert "-kvu" in llama_server_flags(EngineConfig(kv_unified=True, cpu_repack="off")) and "-kvu" not in flags
     with pytest.raises(ValueError, match="--port"):
         check_server_args(["-np", "4", "--port", "1"])

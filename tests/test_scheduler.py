@@ -47,6 +47,7 @@ class FakeSampler:
 @dataclass
 class FakeContext:
     n_ctx_seq: int = 64
+    one_stream_per_slot: bool = True
     batch_capacity: int = 16
     rc: int = 0  # what the next decode returns
     kv: dict[int, list[int]] = field(default_factory=dict)
@@ -248,6 +249,24 @@ def test_busy_slots_stay_consecutive_unless_a_long_prefix_is_worth_a_split() -> 
     s.add([short])
     s.step()
     assert short not in [slot.request for slot in s.slots if slot.seq_id == far.seq_id], "a short prefix splits"
+
+
+@pytest.mark.parametrize(("one_stream_per_slot", "expected"), [(True, 3), (False, 0)])
+def test_with_one_kv_stream_for_all_slots_any_slot_joins_the_busy_ones(one_stream_per_slot: bool,
+                                                                       expected: int) -> None:
+    """kv_unified: llama.cpp decodes a step's rows in one micro-batch whatever their slots, so the slot
+    choice no longer keeps busy slots consecutive: the least recently used one is taken, apart or not."""
+    s, ctx = make(n_parallel=4, n_ctx_seq=64, batch_capacity=64)
+    ctx.one_stream_per_slot = one_stream_per_slot
+    for slot, used in zip(s.slots, (1.0, 4.0, 0.0, 3.0), strict=True):  # slot 2, then 0, least recently used
+        slot.last_used = used
+    s.add([req([7, 8, 9])])
+    s.step()
+    assert s.slots[2].request is not None
+    second = req([7, 8, 10])
+    s.add([second])
+    s.step()
+    assert s.slots[expected].request is second  # per-slot streams: next to slot 2 (3, not 1: less recent)
 
 
 def test_eos_ends_with_stop_and_is_not_counted() -> None:

@@ -378,7 +378,7 @@ def draw(**fixed: object) -> dict:
     import optuna
 
     values = {"n_parallel": 2, "n_batch": 256, "n_ubatch": 512, "ctx_per_slot": 1024, "type_k": "f16",
-              "type_v": "f16", "flash_attn": "off", **fixed}
+              "type_v": "f16", "flash_attn": "off", "kv_unified": False, **fixed}
     space = SearchSpace()
     return suggest(optuna.trial.FixedTrial(values), space, space.contexts(1024), None)
 
@@ -398,6 +398,21 @@ def test_n_ubatch_is_clamped_to_n_batch_and_context_is_per_slot() -> None:
     config = to_engine_config(params, EngineConfig(n_threads=3))
     assert config.n_batch == 256 and config.n_ubatch == 256
     assert config.n_ctx == 8192 and config.n_ctx_per_slot == 2048 and config.n_threads == 3
+
+
+@pytest.mark.unit
+def test_the_kv_layout_is_searched_only_where_there_are_slots_to_share_it() -> None:
+    assert "kv_unified" not in draw(n_parallel=1)
+    assert draw(n_parallel=4, kv_unified=True)["kv_unified"] is True
+    assert to_engine_config(draw(n_parallel=4, kv_unified=True), EngineConfig()).kv_unified
+    import optuna
+
+    one = SearchSpace(kv_unified=[True])  # a single value is set, not drawn
+    values = {"n_parallel": 2, "n_batch": 256, "n_ubatch": 256, "ctx_per_slot": 1024, "type_k": "f16",
+              "type_v": "f16", "flash_attn": "on"}
+    assert suggest(optuna.trial.FixedTrial(values), one, one.contexts(1024), None)["kv_unified"] is True
+    with pytest.raises(ValueError, match="at least one"):
+        SearchSpace(kv_unified=[])
 
 
 @pytest.mark.unit
@@ -677,6 +692,8 @@ def wide_ffn_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     {"n_parallel": 1, "n_ctx": 8192, "n_batch": 256, "n_ubatch": 256},
     {"n_parallel": 1, "n_ctx": 8192, "flash_attn": FlashAttn.off},
     {"n_parallel": 1, "n_ctx": 2048, "n_batch": 128, "n_ubatch": 128, "flash_attn": FlashAttn.on},
+    # one K/V stream for all slots: a row's scores span every slot's cells (the largest stage, embedded)
+    {"n_parallel": 4, "n_ctx": 16384, "n_batch": 512, "flash_attn": FlashAttn.off, "kv_unified": True},
 ])
 def test_the_memory_models_terms_match_what_llama_cpp_allocates(gguf: str, overrides: dict[str, Any],
                                                                  request: pytest.FixtureRequest) -> None:
@@ -721,7 +738,8 @@ def test_bench_memory_reads_configs_refuses_bad_ones_and_reports_each_term(tmp_p
         config = bench.parse_config("256/2/4096/off", Path("/m.gguf"), 1)
         assert (config.n_ubatch, config.n_batch, config.n_parallel, config.n_ctx, config.flash_attn) == \
             (256, 256, 2, 4096, FlashAttn.off)
-        for bad in ("256/2/4096", "a/2/4096/on", "256/2/4096/maybe", "0/2/4096/on"):
+        assert not config.kv_unified and bench.parse_config("256/2/4096/off/unified", Path("/m.gguf"), 1).kv_unified
+        for bad in ("256/2/4096", "a/2/4096/on", "256/2/4096/maybe", "0/2/4096/on", "256/2/4096/on/shared"):
             with pytest.raises(argparse.ArgumentTypeError):
                 bench.parse_config(bad, Path("/m.gguf"), 1)
         assert bench.main(["--config", "64/1/1024/on", "--json-out", str(tmp_path / "m.json")]) == 0

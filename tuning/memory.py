@@ -171,8 +171,9 @@ def compute_bytes(shape: ModelShape, config: EngineConfig, on_gpu: bool = False,
 
     ggml's allocator reuses memory between the graph's stages, so the reservation is the largest stage, not the
     sum: the output (each row's logits beside two hidden-state rows), a layer's feed-forward (gate, up and their
-    product, four hidden-state rows, and the attention mask over a slot's cells, f16 with flash attention, else
-    f32), or without flash attention a layer's attention scores (heads x cells a row). Its allocator's
+    product, four hidden-state rows, and the attention mask over the cells a row attends, f16 with flash attention,
+    else f32), or without flash attention a layer's attention scores (heads x cells a row): a slot's cells, or
+    with kv_unified all of them. Its allocator's
     fragmentation adds up to ~4% (measured on the CPU against llama.cpp's own report: tests/test_tuning.py),
     covered by COMPUTE_FRAGMENTATION. On a GPU (`on_gpu`) flash attention is a stage of its own: CUDA's kernels
     for a micro-batch read K and V as f16, so a layer's cached K and V of any other type are converted into
@@ -181,7 +182,7 @@ def compute_bytes(shape: ModelShape, config: EngineConfig, on_gpu: bool = False,
     layer's K and V are copied in as well.
     """
     rows = _reserved_rows(config)
-    cells = config.n_ctx_per_slot  # a row attends over its own slot's cells (kv_unified off)
+    cells = config.attended_cells  # a row's slot's cells; with kv_unified every slot's
     flash = config.flash_attn != FlashAttn.off  # auto: llama.cpp turns it on where the backend has it (CPU, CUDA)
     mask = cells * (2 if flash else 4)
     output = 4 * (shape.n_vocab + 2 * shape.n_embd)

@@ -41,6 +41,8 @@ class SearchSpace(BaseModel):
     type_k: list[CacheType] = Field(default_factory=lambda: [CacheType.f16, CacheType.q8_0, CacheType.q4_0])
     type_v: list[CacheType] = Field(default_factory=lambda: [CacheType.f16, CacheType.q8_0, CacheType.q4_0])
     flash_attn: list[FlashAttn] = Field(default_factory=lambda: [FlashAttn.on, FlashAttn.off])
+    kv_unified: list[bool] = Field(default_factory=lambda: [False, True], description="one K/V buffer per slot "
+                                   "or one for all (kv_unified), searched with 2 or more slots")
     spec_mode: list[SpecMode] = Field(default_factory=lambda: [SpecMode.off],
                                       description="speculative decoding modes to search; [off] = not searched")
     spec_draft_max: list[int] = Field(default_factory=lambda: [16], description="the most guesses per step, "
@@ -63,6 +65,13 @@ class SearchSpace(BaseModel):
     def _threads(cls, values: list[int]) -> list[int]:
         if any(v < 1 for v in values):
             raise ValueError("thread counts are positive")
+        return sorted(set(values))
+
+    @field_validator("kv_unified")
+    @classmethod
+    def _layouts(cls, values: list[bool]) -> list[bool]:
+        if not values:
+            raise ValueError("needs at least one value: [false], [true] or both")
         return sorted(set(values))
 
     @field_validator("flash_attn", "spec_mode", mode="before")
@@ -156,6 +165,9 @@ def suggest(trial: Any, space: SearchSpace, contexts: list[int], placement: Plac
         params["flash_attn"] = FlashAttn.on.value  # llama.cpp needs it for a quantised V cache
     else:
         params["flash_attn"] = trial.suggest_categorical("flash_attn", [f.value for f in space.flash_attn])
+    if params["n_parallel"] > 1:
+        values = space.kv_unified
+        params["kv_unified"] = trial.suggest_categorical("kv_unified", values) if len(values) > 1 else values[0]
     if placement is not None:
         if len(placement.threads) > 1:
             params["n_threads"] = trial.suggest_categorical("n_threads", list(placement.threads))
