@@ -13,7 +13,9 @@ the same run.
 Serve's direct ingress is cluster-wide (set at `ray start`), so a variant cannot have it: `--direct` runs the
 app in a Ray of its own under direct ingress and measures its ingress replica's own port in the same rounds
 (`--direct 'thin:ingress=engine'`: the engine replica takes HTTP itself, no hop at all). A server started
-another way joins with `--server NAME=URL` (its API root, e.g. http://127.0.0.1:30000/v1).
+another way joins with `--server NAME=URL` (its API root, e.g. http://127.0.0.1:30000/v1). `--local
+'unified:kv_unified=true'` adds another engine in this process with other settings: an engine setting's own
+effect on TTFT and decode, in the same rounds, without the HTTP path.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         async with contextlib.AsyncExitStack() as stack:
             targets: list[Target] = [stack.enter_context(loaded_engine(config, IN_PROCESS))]
+            for v in args.local:  # another engine in this process: settings compared without any HTTP
+                local = load_engine_config(REPO_ROOT / "configs" / "default.yaml", {**overrides, **v.args})
+                targets.append(stack.enter_context(loaded_engine(local, v.name)))
             servers = list(args.server)
             for v in args.direct:
                 servers.append((v.name, stack.enter_context(direct_app(v, overrides, args.load_timeout))))
@@ -128,6 +133,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "variants": {v.name: {"args": v.args, "env": v.env} for v in args.variant},
             "servers": dict(args.server),
             "direct": {v.name: {"args": v.args, "env": v.env} for v in args.direct},
+            "local": {v.name: {"args": v.args} for v in args.local},
             "results": {name: {str(n): level.as_dict() for n, level in levels.items()}
                         for name, levels in results.items()},
             "ratios": {name: {str(n): ratios(level.median, reference[n].median) for n, level in levels.items()}
@@ -223,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--direct", type=Variant.parse, action="append", default=[],
                    help="name[:KEY=VALUE,...][:env:NAME=VALUE,...]: the app in a Ray of its own under Serve's direct "
                         "ingress, measured at its ingress replica's port; repeat for more")
+    p.add_argument("--local", type=Variant.parse, action="append", default=[],
+                   help="name[:KEY=VALUE,...]: another engine in this process with these settings over --engine's, "
+                        "measured in the same rounds (no HTTP: engine settings against the in-process one)")
     p.add_argument("--server", type=_named_url, action="append", default=[], metavar="NAME=URL",
                    help="also measure a server already running at URL (its API root); repeat for more")
     p.add_argument("--engine", action="append", default=["n_parallel=4", "n_ctx=4096"], metavar="KEY=VALUE",
@@ -238,14 +247,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json-out", type=Path)
     p.add_argument("--from-json", type=Path, help="print the table of a saved run instead of measuring")
     args = p.parse_args(argv)
+    if any(v.env for v in args.local):
+        p.error("--local takes engine settings (name:KEY=VALUE,...), not env: an engine in this process has ours")
+    names = [IN_PROCESS, *(v.name for v in [*args.variant, *args.direct, *args.local]), *(n for n, _ in args.server)]
+    if len(set(names)) < len(names):
+        p.error(f"every target needs a name of its own: {', '.join(names)}")
     if args.from_json:
         saved = with_paired_ratios(json.loads(args.from_json.read_text()))
         print(table(saved))
         if saved.get("probe_ttft_ms"):
             print(probe_table(saved["probe_ttft_ms"]))
         return 0
-    if not args.variant and not args.server and not args.direct:
-        p.error("give at least one --variant, --direct or --server")
+    if not args.variant and not args.server and not args.direct and not args.local:
+        p.error("give at least one --variant, --direct, --server or --local")
     report = asyncio.run(run(args))
     print(table(report))
     if report["probe_ttft_ms"]:
