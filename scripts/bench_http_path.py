@@ -15,7 +15,11 @@ app in a Ray of its own under direct ingress and measures its ingress replica's 
 (`--direct 'thin:ingress=engine'`: the engine replica takes HTTP itself, no hop at all). A server started
 another way joins with `--server NAME=URL` (its API root, e.g. http://127.0.0.1:30000/v1). `--local
 'unified:kv_unified=true'` adds another engine in this process with other settings: an engine setting's own
-effect on TTFT and decode, in the same rounds, without the HTTP path.
+effect on TTFT and decode, in the same rounds, without the HTTP path. On a CPU build of llama.cpp with OpenMP
+(llama-cpp-python's), two engines that have both decoded in one process run slower, both of them: libgomp cuts
+its threads' spin-wait once its teams outnumber the cores (2-core machine, embedded model, one stream: ~87
+tok/s with one engine, ~35 with two; `OMP_WAIT_POLICY=active` gave one of them its speed back), so on a CPU
+compare `--local` engines with each other, not with other targets.
 """
 
 from __future__ import annotations
