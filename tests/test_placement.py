@@ -257,6 +257,8 @@ def test_the_report_says_where_each_part_of_the_model_lived() -> None:
     assert "host pred GiB" in table and "cpu-moe30 t16" in table and "| 12.00 |" in table
     plain = trial_table([TrialRow(1, TrialResult(params=base, n_ctx=4096, mem_predicted=1, mem_budget=2))])
     assert "host pred" not in plain  # everything on the GPU: no column for it
+    unified = TrialRow(2, TrialResult(params={**base, "kv_unified": True}, n_ctx=4096, mem_predicted=1, mem_budget=2))
+    assert unified.label().endswith("fa-on kvu") and "kvu" not in rows[0].label()
 
 
 def _preset_shape(synthetic: ModuleType, preset: str) -> ModelShape:

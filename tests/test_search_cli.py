@@ -14,7 +14,7 @@ import pytest
 from serving.config import EngineConfig
 from tuning.confirm import Candidate, Confirmed, decide
 from tuning.options import Prefer, SearchOptions, Where, _parser, parse_options
-from tuning.report import TrialRow
+from tuning.report import TrialRow, config_label
 from tuning.results import Objective, TrialResult
 from serving.node import DeviceMemory, ReplicaPlace
 from tuning.gpus import TrialSlots
@@ -185,6 +185,7 @@ def test_in_place_the_served_config_joins_the_confirmation_and_the_line_says_whe
     added = with_served([pick, base], served, settings)[-1]
     assert (added.number, added.is_served, added.config, added.name) == (-1, True, served, "the served config")
     assert added.label == "np8 b2048/512 c1024/slot f16/f16 fa-auto"
+    assert config_label(served.model_copy(update={"kv_unified": True})).endswith("fa-auto kvu")
     assert added.memory == predict(settings.shape, served, False).total > 0
     confirmed = [Confirmed(base, [100.0] * 3, [100.0] * 3, [1.0] * 3, [1.0] * 3),
                  Confirmed(pick, [100.0] * 3, [140.0] * 3, [1.0] * 3, [1.4, 1.42, 1.44]),

@@ -17,8 +17,6 @@ __all__ = ["Objective", "TrialRow", "markdown", "pareto_front", "pick", "rows_fr
 
 PICK_WITHIN = 0.05  # the balanced pick: best aggregate among trials within 5% of the best single stream
 GOODPUT_TIE = 0.02  # goodputs this close tie: at a fixed arrival rate every config that keeps up serves the same
-PARAM_KEYS = ("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "type_k", "type_v", "flash_attn", "n_gpu_layers",
-              "n_cpu_moe", "n_threads")
 
 
 @dataclass
@@ -61,6 +59,7 @@ class TrialRow:
         ubatch = min(p.get("n_ubatch") or 0, p.get("n_batch") or 0)  # as the engine ran it (clamped)
         label = (f"np{p.get('n_parallel')} b{p.get('n_batch')}/{ubatch} c{p.get('ctx_per_slot')}/slot "
                  f"{p.get('type_k')}/{p.get('type_v')} fa-{p.get('flash_attn')}")
+        label += " kvu" if p.get("kv_unified") else ""
         label += f" ngl{p['n_gpu_layers']}" if "n_gpu_layers" in p else ""
         label += f" cpu-moe{p['n_cpu_moe']}" if "n_cpu_moe" in p else ""
         label += f" t{p['n_threads']}" if "n_threads" in p else ""
@@ -68,10 +67,12 @@ class TrialRow:
 
 
 def config_label(config: EngineConfig) -> str:
-    """An engine config in short, as a trial's label writes it: `np4 b2048/512 c2048/slot f16/f16 fa-auto`."""
+    """An engine config in short, as a trial's label writes it: `np4 b2048/512 c2048/slot f16/f16 fa-auto`
+    (` kvu`: one K/V buffer for all slots)."""
     label = (f"np{config.n_parallel} b{config.n_batch}/{min(config.n_ubatch, config.n_batch)} "
              f"c{config.n_ctx // config.n_parallel}/slot {config.type_k.value}/{config.type_v.value} "
              f"fa-{config.flash_attn.value}")
+    label += " kvu" if config.kv_unified else ""
     return label + (f" spec-{config.spec_mode.value}" if config.spec_mode.value != "off" else "")
 
 
