@@ -45,7 +45,9 @@ from serving import llama as _llama  # noqa: E402,F401  (first: the library load
 from measure import serve_app  # noqa: E402
 from measure.cluster import ClusterApp, LocalCluster, direct_ingress_settings, direct_url  # noqa: E402
 from measure.device import Gpu  # noqa: E402
-from measure.metrics import PairedGap, RoundFigures, paired_gap, paired_ratios, ratios, stream_figures  # noqa: E402
+from measure.metrics import (  # noqa: E402
+    PairedGap, RoundFigures, StreamFigures, paired_gap, paired_ratios, ratios, stream_figures,
+)
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import HttpTarget, free_loopback_port, loaded_engine  # noqa: E402
 from measure.workload import Prompt, Runner, Target, Workload  # noqa: E402
@@ -126,9 +128,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 targets.append(await stack.enter_async_context(serve_app.deployed(
                     port, {**overrides, **v.args}, args.load_timeout, 300.0, name=v.name, env=v.env)))
             workload = Workload(gen_tokens=args.max_tokens, levels=args.levels, repeats=args.repeats)
-            results = await Runner(workload).levels(targets, lambda name, level, rep, f: print(
+            runner = Runner(workload)
+            results = await runner.levels(targets, lambda name, level, rep, f: print(
                 f"  {name:<12} c={level} rep {rep}: {f.aggregate_tok_s:.1f} tok/s", file=sys.stderr))
             probe = await first_token_probe(targets, args.probe) if args.probe else {}
+            trace = await stream_trace(runner, targets, args.trace) if args.trace else {}
     finally:
         if args.variant:
             serve_app.stop_serve()
@@ -147,7 +151,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                               for name, levels in results.items() if name != IN_PROCESS},
             "ttft_gap_ms": ttft_gaps({name: {n: level.rounds for n, level in levels.items()}
                                       for name, levels in results.items()}),
-            "probe_ttft_ms": probe}
+            "probe_ttft_ms": probe,
+            "trace": {name: [[asdict(stream) for stream in streams] for streams in rounds]
+                      for name, rounds in trace.items()}}
 
 
 async def first_token_probe(targets: Sequence[Target], rounds: int) -> dict[str, list[float]]:
@@ -161,6 +167,49 @@ async def first_token_probe(targets: Sequence[Target], rounds: int) -> dict[str,
             record = await target.run_stream(Prompt(f"Request {i}.", chat=False), 1, True)
             ttfts[target.name].append(stream_figures(record).ttft_s * 1000)
     return ttfts
+
+
+@dataclass(frozen=True)
+class StreamTrace:
+    """One stream of a traced round, ms from the round's start: when it started and when its request had left
+    the client (HTTP), its TTFT, and the engine's own TTFT; TTFT minus that is what the path held it (in
+    before the engine's intake, and out after its first token)."""
+
+    start_ms: float
+    sent_ms: float | None
+    ttft_ms: float
+    engine_ttft_ms: float | None
+
+
+async def stream_trace(runner: Runner, targets: Sequence[Target], rounds: int) -> dict[str, list[list[StreamTrace]]]:
+    """`rounds` more rounds of the largest level per target, each stream as it went: which of a round's
+    requests reached the engine late, and which step each joined, shows here, not in a round's means."""
+    traces: dict[str, list[list[StreamTrace]]] = {t.name: [] for t in targets}
+    for _ in range(rounds):
+        for target in targets:
+            _, records = await runner.run_round(target, runner.workload.concurrency)
+            t0 = min(r.t_start for r in records)
+            traces[target.name].append([_traced(r.t_start - t0, stream_figures(r)) for r in records])
+    return traces
+
+
+def _traced(start_s: float, f: StreamFigures) -> StreamTrace:
+    return StreamTrace(start_s * 1e3, None if f.send_s is None else (start_s + f.send_s) * 1e3, f.ttft_s * 1e3,
+                       None if f.engine_ttft_s is None else f.engine_ttft_s * 1e3)
+
+
+def trace_table(trace: dict[str, list[list[dict[str, Any]]]]) -> str:
+    """Each traced round on a line per target: every stream's TTFT, its engine's own, and what the path held."""
+    lines = ["| target | round | each stream: TTFT ms (engine's own; the path's) |", "| --- | ---: | --- |"]
+    for name, rounds in trace.items():
+        for i, streams in enumerate(rounds, 1):
+            lines.append(f"| {name} | {i} | {', '.join(_trace_cell(s) for s in streams)} |")
+    return "\n".join(lines)
+
+
+def _trace_cell(stream: dict[str, Any]) -> str:
+    ttft, own = stream["ttft_ms"], stream["engine_ttft_ms"]
+    return f"{ttft:.0f} (-)" if own is None else f"{ttft:.0f} ({own:.0f}; {ttft - own:.0f})"
 
 
 def probe_table(probe: dict[str, list[float]]) -> str:
@@ -247,6 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--probe", type=int, default=0, metavar="N",
                    help="also N one-token requests of a few-token prompt per target, one at a time: the TTFT the "
                         "path adds where no prefill hides it (default 0: none)")
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="also N rounds of the largest level per target, each stream's TTFT and the engine's own "
+                        "printed (default 0: none)")
     p.add_argument("--load-timeout", type=float, default=300.0)
     p.add_argument("--json-out", type=Path)
     p.add_argument("--from-json", type=Path, help="print the table of a saved run instead of measuring")
@@ -261,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table(saved))
         if saved.get("probe_ttft_ms"):
             print(probe_table(saved["probe_ttft_ms"]))
+        if saved.get("trace"):
+            print(trace_table(saved["trace"]))
         return 0
     if not args.variant and not args.server and not args.direct and not args.local:
         p.error("give at least one --variant, --direct, --server or --local")
@@ -268,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(report))
     if report["probe_ttft_ms"]:
         print(probe_table(report["probe_ttft_ms"]))
+    if report["trace"]:
+        print(trace_table(report["trace"]))
     if args.json_out:
         write_report(args.json_out, report)
     return 0

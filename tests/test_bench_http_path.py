@@ -34,3 +34,16 @@ def test_a_saved_run_prints_paired_ratios_and_ttft_gaps_worked_out_from_its_roun
     assert "paired_ratios" not in report  # saved before the report carried them
     text = bench.table(bench.with_paired_ratios(report))  # a run from before send times: "-"
     assert "| default | 1 | 66.9 | 81.1 | 285 | - | - | +34.7 [+3.2, +45.6] | 0.957, 0.885 | 0.980, 0.938 |" in text
+
+
+def test_a_traced_round_shows_each_streams_ttft_the_engines_own_and_the_paths(bench) -> None:  # noqa: ANN001
+    from measure.metrics import StreamFigures
+
+    http = bench._traced(0.0015, StreamFigures(0.647, 40.0, 16, 50, 0, (), send_s=0.003, engine_ttft_s=0.587))
+    from dataclasses import asdict
+
+    assert asdict(http) == pytest.approx(asdict(bench.StreamTrace(1.5, 4.5, 647.0, 587.0)))
+    in_process = bench._traced(0.0, StreamFigures(0.3, 40.0, 16, 50, 0, ()))
+
+    text = bench.trace_table({"direct": [[asdict(http), asdict(in_process)]]})
+    assert "| direct | 1 | 647 (587; 60), 300 (-) |" in text
