@@ -108,13 +108,14 @@ def direct_app(variant: Variant, overrides: dict[str, str], timeout_s: float) ->
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides = dict(word.split("=", 1) for word in args.engine)
-    config = load_engine_config(REPO_ROOT / "configs" / "default.yaml", overrides)
+    defaults = REPO_ROOT / "configs" / "default.yaml"
+    config = load_engine_config(defaults, overrides)
     port = serve_app.start_serve(0, None) if args.variant else 0
     try:
         async with contextlib.AsyncExitStack() as stack:
             targets: list[Target] = [stack.enter_context(loaded_engine(config, IN_PROCESS))]
             for v in args.local:  # another engine in this process: settings compared without any HTTP
-                local = load_engine_config(REPO_ROOT / "configs" / "default.yaml", {**overrides, **v.args})
+                local = load_engine_config(defaults, {**overrides, **v.args})
                 targets.append(stack.enter_context(loaded_engine(local, v.name)))
             servers = list(args.server)
             for v in args.direct:
