@@ -381,7 +381,7 @@ class Engine:
                 self._run_commands()
                 if self._stopping:  # a command may stop the engine (a config that cannot be restored)
                     break
-                if not self._step():
+                if not self._step() and not self._scheduler.save_idle():
                     self._wake.wait(0.5 if self._pending else None)
                     self._wake.clear()
         except BaseException:  # a bug we did not foresee: leave cleanly so the replica is replaced
