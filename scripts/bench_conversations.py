@@ -181,6 +181,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit(f"engine config: {exc}") from None
 
 
+
+def peer_args(config: EngineConfig, server_args: str, cache_mib: int) -> list[str]:
+    """llama-server's flags for one run: the caller's, its prompt cache, and `--no-repack` where our engine
+    loads without the CPU weight repack (the same kernels; on a CPU whose repack path faults, such as an
+    AMX VM, llama-server would crash at load otherwise)."""
+    from measure.targets import repack_server_args
+
+    flags = [*shlex.split(server_args), "--cache-ram", str(cache_mib)]
+    return flags + repack_server_args(config, flags)
+
 async def measure_all(args: argparse.Namespace, config: EngineConfig) -> dict[str, list[Turn]]:
     from serving import llama as _llama  # noqa: F401  (first: the library load order, see serving/llama.py)
     from measure.targets import EngineTarget, HttpTarget, llama_server
@@ -198,8 +208,7 @@ async def measure_all(args: argparse.Namespace, config: EngineConfig) -> dict[st
     if args.llama_server:
         model = config.model_path
         for mib in (8192, 0):
-            server_args = [*shlex.split(args.server_args), "--cache-ram", str(mib)]
-            async with llama_server(args.llama_server, model, server_args) as target:
+            async with llama_server(args.llama_server, model, peer_args(config, args.server_args, mib)) as target:
                 target.name = f"llama-server --cache-ram {mib}"
                 results[target.name] = await run_target(target, *shape)
     for item in args.server:
