@@ -493,18 +493,22 @@ class Scheduler:
 
     def save_idle(self) -> bool:
         """Save one finished slot's state into the prompt cache (when worth keeping), least recently used
-        first: the engine calls this only when a step found nothing to do, so the copy comes out of idle
-        time. Saved at take time instead, it sits between a new prompt and its first token: on an H100 the
-        saves made four new streams' TTFT 6-11 ms longer with the 135M model (two runs), 31 ms with the
-        27B-class, and 150-240 ms with kv_unified (a unified cache's cells interleave, so llama.cpp copies a
-        state out range by range; docs/performance.md). A slot saved here is not copied again when taken
-        (the cache covers it). True when a slot was looked at: call again, after checking for new requests."""
+        first, all but the most recently used free slot: the engine calls this only when a step found nothing
+        to do, so the copy comes out of idle time. Saved when a new prompt takes the slot instead, the copy
+        sits between that prompt and its first token: on an H100 such saves made four new streams' TTFT
+        6-11 ms longer with the 135M model (two runs), 31 ms with the 27B-class, and 150-240 ms with
+        kv_unified (a unified cache's cells interleave, so llama.cpp copies a state out range by range;
+        docs/performance.md). The most recently used slot is left to that: it is the one a conversation's
+        next turn most likely comes back to (no copy needed at all), and an agent's next turn can arrive
+        within the copy's time. A slot saved here is not copied again when taken (the cache covers it).
+        True when a slot was looked at: call again, after checking for new requests."""
         if self.prompt_cache is None:
             return False
-        finished = [s for s in self.slots if s.request is None and s.unsaved]
+        free = sorted((s for s in self.slots if s.request is None), key=lambda s: s.last_used)
+        finished = [s for s in free[:-1] if s.unsaved]
         if not finished:
             return False
-        slot = min(finished, key=lambda s: s.last_used)
+        slot = finished[0]
         slot.unsaved = False
         self._save(slot)
         return True

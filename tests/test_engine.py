@@ -242,23 +242,31 @@ def test_a_conversation_that_lost_its_slot_comes_back_from_host_ram_with_the_sam
 
 
 def test_an_idle_engine_saves_a_finished_slot_before_a_prompt_needs_the_slot(engine: Engine) -> None:
-    """The step thread, finding nothing to do, saves the slot its last request left (so the prompt that
-    later takes the slot does not wait for the copy): the state is in the cache with no other prompt sent."""
+    """The step thread, finding nothing to do, saves the older of two finished slots (so the prompt that
+    later takes it does not wait for the copy): its state is in the cache with no other prompt sent. The
+    newer one is left where its conversation would come back to."""
     import time
 
     from measure.workload import source_text
     from serving.engine import Engine
 
     idle = Engine(engine.config.model_copy(update={"n_parallel": 2, "n_ctx": 2048, "cache_ram_mib": 64}))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     try:
-        generate(idle, source_text()[:900], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        older, newer = source_text()[:900], source_text()[2000:2900]
+        n_older = len(idle.tokenize_prompt(older))
+        generate(idle, older, params)
+        generate(idle, newer, params)
         deadline = time.monotonic() + 30
         while idle.stats()["prompt_cache"]["saves"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        time.sleep(0.2)  # room for a second save, which must not come
         cache = idle.stats()["prompt_cache"]
     finally:
         idle.close()
-    assert cache["saves"] == 1 and cache["entries"] == 1 and cache["tokens"] > 64, cache
+    assert cache["saves"] == 1 and cache["entries"] == 1, cache
+    assert n_older + 3 <= cache["tokens"] <= n_older + 4, cache  # the older prompt and its answer's cells
+
 
 def test_slot_files_save_erase_and_restore_into_another_slot(engine: Engine, tmp_path) -> None:  # noqa: ANN001
     """llama-server's slot save / erase / restore: a slot's cells go to a file and come back into another slot,

@@ -738,33 +738,40 @@ def test_a_new_context_empties_the_prompt_cache() -> None:
 
 def test_finished_slots_are_saved_while_idle_so_a_new_prompt_does_not_wait_for_the_copy() -> None:
     """The engine calls save_idle when a step found nothing to do: finished slots are saved then, least
-    recently used first, one a call; the prompt that later takes a slot finds its state stored already and
-    starts without a copy, and the conversation it displaced still comes back warm."""
+    recently used first, one a call, all but the most recently used; the prompt that later takes a saved
+    slot starts without a copy, and the conversation it displaced still comes back warm."""
     cache = PromptCache(limit_bytes=1 << 20, min_tokens=4)
     ctx = FakeContext()
-    s = Scheduler(ctx, 2, default_seed=1, prompt_cache=cache)
-    a, b, c = [10 + i for i in range(12)], [40 + i for i in range(12)], [70 + i for i in range(12)]
-    _turns(s, ctx, [a, b])
+    s = Scheduler(ctx, 3, default_seed=1, prompt_cache=cache)
+    a, b, c, d = ([k + i for i in range(12)] for k in (10, 40, 70, 100))
+    _turns(s, ctx, [a, b, c])
     assert ctx.saves == []
     assert s.save_idle() and ctx.saves == [0]  # a's slot, the least recently used
     assert s.save_idle() and ctx.saves == [0, 1]
-    assert not s.save_idle() and ctx.saves == [0, 1]  # nothing left to look at
-    _turns(s, ctx, [c])  # takes a's slot: its state is stored already, no copy before c's prefill
+    assert not s.save_idle() and ctx.saves == [0, 1]  # c's, the most recent, is left to its next turn
+    _turns(s, ctx, [d])  # takes a's slot: its state is stored already, no copy before d's prefill
     assert ctx.saves == [0, 1] and cache.stats().saves == 2
     (back,) = ends(_turns(s, ctx, [a + [22, 23, 90, 91]])).values()
     assert back.usage.cached_tokens == 13 and cache.stats().hits == 1
+    assert ctx.saves == [0, 1], "restored into b's slot, whose state was stored while idle"
 
 
-def test_save_idle_skips_slots_taken_again_and_does_nothing_without_a_cache() -> None:
+def test_the_slot_a_conversation_comes_back_to_is_not_copied_while_idle() -> None:
+    """One conversation (an agent's turns): its slot is always the most recently used, so no idle pass
+    copies it; its next turn finds it in the slot. A slot taken again before an idle pass is not saved."""
     cache = PromptCache(limit_bytes=1 << 20, min_tokens=4)
     ctx = FakeContext()
-    s = Scheduler(ctx, 1, default_seed=1, prompt_cache=cache)
+    s = Scheduler(ctx, 2, default_seed=1, prompt_cache=cache)
     a = list(range(10, 22))
-    _turns(s, ctx, [a, a + [22, 23, 5, 6]])  # the slot went on with a's conversation before any idle step
-    assert s.save_idle() and ctx.saves == [0]  # only its latest state, once
-    assert cache.stats().tokens == 17 and not s.save_idle()
+    _turns(s, ctx, [a])
+    assert not s.save_idle()
+    (turn,) = ends(_turns(s, ctx, [a + [22, 23, 5, 6]])).values()
+    assert turn.usage.cached_tokens == 13 and not s.save_idle() and ctx.saves == []
+    b = list(range(40, 52))
+    _turns(s, ctx, [b])  # a's slot is now the older one: saved on the next idle pass, once
+    assert s.save_idle() and ctx.saves == [0] and cache.stats().tokens == 17 and not s.save_idle()
     s.reset_slot(0)
     assert not s.save_idle()
-    plain, plain_ctx = make(n_parallel=1)
-    _turns(plain, plain_ctx, [a])
+    plain, plain_ctx = make(n_parallel=2)
+    _turns(plain, plain_ctx, [a, b])
     assert not plain.save_idle() and plain_ctx.saves == []
