@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,7 @@ from serving.request import SamplingParams
 
 if TYPE_CHECKING:  # imported where an engine is built: the HTTP and llama-server helpers need no libllama
     from serving.engine import Engine
-    from serving.request import RequestHandle
+    from serving.request import GenerationChunk
 
 MAX_CONNECTIONS = 64
 LOOPBACK_NAMES = ("localhost",)
@@ -46,9 +46,10 @@ class EngineTarget:
     """Our Engine called directly: what the HTTP path costs shows against HttpTarget. Tokenising (and, for
     a chat prompt, rendering the template) happens inside the timed span, as a server would do it."""
 
-    def __init__(self, engine: Engine, name: str = "in-process") -> None:
+    def __init__(self, engine: Engine, name: str = "in-process", text_only: bool = False) -> None:
         self.name = name
         self.engine = engine
+        self.text_only = text_only  # output is text, as our server's stream shows it (_read)
 
     async def run_stream(self, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> StreamRecord:
         record = StreamRecord(t_start=time.perf_counter())
@@ -77,13 +78,23 @@ class EngineTarget:
             raise
         return record
 
-    async def _read(self, handle: RequestHandle, record: StreamRecord) -> StreamRecord:
+    async def _read(self, handle: AsyncIterable[GenerationChunk], record: StreamRecord) -> StreamRecord:
+        """Time the chunks: every token is output (the engine's view, as llama-server's completions stream
+        shows it), or with `text_only` only text, as our server's stream shows it: a token that renders as
+        nothing (a special token such as SmolLM2's `<|im_end|>` under ignore_eos, half a UTF-8 character)
+        gets no SSE event there, so a client first sees it with the next text. A comparison with our HTTP
+        path needs the latter, or the in-process TTFT comes a decode step early for such streams (found with
+        `bench_http_path.py --trace`: one stream of four on CPU, ~30 ms). Tokens still unseen at the end
+        are output at the end."""
+        unseen = 0  # tokens that came without text, shown with the next text
         async for chunk in handle:
             t = time.perf_counter()
             if chunk.error:
                 raise StreamError(f"in-process engine error: {chunk.error}")
-            if chunk.token_ids or chunk.text:
-                record.add_output(t, len(chunk.token_ids) or None, chunk.text)
+            unseen += len(chunk.token_ids)
+            if chunk.text or (unseen and (not self.text_only or chunk.finish_reason is not None)):
+                record.add_output(t, unseen or None, chunk.text)
+                unseen = 0
             if chunk.finish_reason is not None:
                 record.finish_reason = chunk.finish_reason.value
                 if chunk.usage is not None:
@@ -100,13 +111,13 @@ class EngineTarget:
 
 
 @contextlib.contextmanager
-def loaded_engine(config: EngineConfig, name: str = "in-process") -> Any:
+def loaded_engine(config: EngineConfig, name: str = "in-process", text_only: bool = False) -> Any:
     """An EngineTarget on a freshly loaded engine, closed afterwards."""
     from serving.engine import Engine
 
     engine = Engine(config)
     try:
-        yield EngineTarget(engine, name)
+        yield EngineTarget(engine, name, text_only)
     finally:
         engine.close()
 

@@ -113,10 +113,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     port = serve_app.start_serve(0, None) if args.variant else 0
     try:
         async with contextlib.AsyncExitStack() as stack:
-            targets: list[Target] = [stack.enter_context(loaded_engine(config, IN_PROCESS))]
+            # in process, output is text, as our server's stream shows it (EngineTarget._read)
+            targets: list[Target] = [stack.enter_context(loaded_engine(config, IN_PROCESS, text_only=True))]
             for v in args.local:  # another engine in this process: settings compared without any HTTP
                 local = load_engine_config(defaults, {**overrides, **v.args})
-                targets.append(stack.enter_context(loaded_engine(local, v.name)))
+                targets.append(stack.enter_context(loaded_engine(local, v.name, text_only=True)))
             servers = list(args.server)
             for v in args.direct:
                 servers.append((v.name, stack.enter_context(direct_app(v, overrides, args.load_timeout))))

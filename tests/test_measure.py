@@ -308,3 +308,31 @@ def test_llama_server_flags_mean_the_engine_config() -> None:
     assert "-kvu" in llama_server_flags(EngineConfig(kv_unified=True, cpu_repack="off")) and "-kvu" not in flags
     with pytest.raises(ValueError, match="--port"):
         check_server_args(["-np", "4", "--port", "1"])
+
+
+@pytest.mark.parametrize("text_only", [False, True])
+def test_in_process_output_is_every_token_or_only_text_as_our_stream_shows_it(text_only: bool) -> None:
+    """A first token that renders as nothing (SmolLM2's `<|im_end|>` under ignore_eos) is output for the
+    engine's view; with text_only it is shown with the next text, as our server's SSE stream shows it (no event
+    for a token without text), so the HTTP path is compared with the same first token. Tokens still without
+    text at the end are output there."""
+    import asyncio
+
+    from measure.targets import EngineTarget
+    from serving.request import FinishReason, GenerationChunk, Usage
+
+    chunks = [GenerationChunk("", [2]), GenerationChunk("\n", [198]), GenerationChunk("Hi", [5]),
+              GenerationChunk("", [7], FinishReason.length, Usage(prompt_tokens=4, completion_tokens=4))]
+
+    async def stream():  # noqa: ANN202
+        for chunk in chunks:
+            await asyncio.sleep(0.01)
+            yield chunk
+
+    target = EngineTarget(None, text_only=text_only)  # type: ignore[arg-type]
+    record = asyncio.run(target._read(stream(), StreamRecord(t_start=0.0)))
+    if text_only:
+        assert (record.output_tokens, record.parts) == ([2, 1, 1], ["\n", "Hi", ""])
+    else:
+        assert (record.output_tokens, record.parts) == ([1, 1, 1, 1], ["", "\n", "Hi", ""])
+    assert record.completion_tokens == 4 and len(record.output_times) == len(record.output_tokens)
