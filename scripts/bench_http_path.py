@@ -20,6 +20,10 @@ effect on TTFT and decode, in the same rounds, without the HTTP path. On a CPU b
 its threads' spin-wait once its teams outnumber the cores (2-core machine, embedded model, one stream: ~87
 tok/s with one engine, ~35 with two; `OMP_WAIT_POLICY=active` gave one of them its speed back), so on a CPU
 compare `--local` engines with each other, not with other targets.
+
+In process, a stream's output is its text, as our server's stream shows it: a token that renders as nothing
+(a special token, half a UTF-8 character) gets no SSE event, so a client sees it with the next text, and the
+in-process targets count it there too (measure/targets.py, EngineTarget `text_only`).
 """
 
 from __future__ import annotations
