@@ -514,16 +514,17 @@ class Scheduler:
         return True
 
     def _save(self, slot: Slot) -> None:
-        """Keep a slot's state in the prompt cache before its cells are dropped (when worth it)."""
+        """Keep a slot's state in the prompt cache before its cells are dropped (when worth it). Nothing here
+        may fail a request or the step thread (save_idle runs outside a step's guard): the state is an
+        optimisation, and serving goes on without it."""
         cache = self.prompt_cache
-        if cache is None or not cache.worth_saving(slot.cache):
+        if cache is None:
             return
         try:
-            state = self._ctx.save_seq(slot.seq_id, cache.spare)
-        except Exception:  # the state is an optimisation: serving goes on without it
+            if cache.worth_saving(slot.cache):
+                cache.put(slot.cache, self._ctx.save_seq(slot.seq_id, cache.spare))
+        except Exception:
             log.exception("saving slot %d's state (%d tokens) failed", slot.seq_id, len(slot.cache))
-            return
-        cache.put(slot.cache, state)
 
     def _assign(self, slot: Slot, request: Request, shared: int) -> None:
         prompt = request.prompt_tokens

@@ -775,3 +775,25 @@ def test_the_slot_a_conversation_comes_back_to_is_not_copied_while_idle() -> Non
     plain, plain_ctx = make(n_parallel=2)
     _turns(plain, plain_ctx, [a, b])
     assert not plain.save_idle() and plain_ctx.saves == []
+
+
+@pytest.mark.parametrize("broken", ["llama.cpp's copy", "the cache's bookkeeping"])
+def test_a_save_that_fails_while_idle_fails_nothing_else(broken: str) -> None:
+    """save_idle runs outside a step's guard: a save that raises (llama.cpp's copy, or the cache itself) is
+    logged and skipped, and the next prompts run as usual."""
+    cache = PromptCache(limit_bytes=1 << 20, min_tokens=4)
+    ctx = FakeContext()
+    s = Scheduler(ctx, 2, default_seed=1, prompt_cache=cache)
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("no memory for the state")
+
+    if broken == "llama.cpp's copy":
+        ctx.save_seq = boom  # type: ignore[method-assign]
+    else:
+        cache.put = boom  # type: ignore[method-assign]
+    a, b = list(range(10, 22)), list(range(40, 52))
+    _turns(s, ctx, [a, b])
+    assert s.save_idle() and not s.save_idle() and cache.stats().entries == 0
+    done = ends(_turns(s, ctx, [list(range(70, 82)), a + [22, 23, 5]]))
+    assert [o.finish for o in done.values()] == [FinishReason.length, FinishReason.length]
