@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from dataclasses import asdict
 from enum import Enum
 from collections.abc import AsyncIterator
@@ -71,6 +72,7 @@ CPU_BOUND_INTERVAL_MS = 200.0  # ... and where the decode threads take every cor
 TRAFFIC_DEADLINE_S = 5.0  # /traffic waits this long for every replica's summary
 SLOT_WAIT_S = 60.0  # a slot file action waits this long for its slot to be idle
 HEAD_NODE = "node:__internal_head__"  # Ray's resource of the head node
+SEPARATE_LOOP_VAR = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"  # Serve's switch, read by each replica
 
 
 class IngressMode(str, Enum):
@@ -123,6 +125,10 @@ class ServerOptions(BaseModel):
     slot_save_path: Path | None = Field(None, description="directory of slot files (POST /slots/{id}?action="
                                         "save|restore|erase, llama-server's --slot-save-path), on each replica's "
                                         "node; none: those answer 400")
+    switch_interval_ms: float = Field(0.5, gt=0, le=100, description="Python's thread switch interval in each "
+                                      "engine replica (sys.setswitchinterval): the longest the step thread waits "
+                                      "for the interpreter while the event loop takes requests in (Python's "
+                                      "default, 5, holds a first token back by up to that much per wait)")
 
     @field_validator("slot_save_path", mode="after")
     @classmethod
@@ -204,6 +210,7 @@ class LlamaServer(OpenAIRoutes):
 
     def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:
         self._options = ServerOptions(**options)
+        sys.setswitchinterval(self._options.switch_interval_ms / 1000)  # this process is this replica's own
         replica = serve.get_replica_context().replica_id.unique_id
         place = here(replica, _llama.gpu_offload_supported())
         node = f"node {place.hostname} ({place.node_ip or 'no Ray node'})"
@@ -521,6 +528,16 @@ def _local_gpus() -> int:
         return 0
 
 
+def replica_env() -> dict[str, Any]:
+    """The runtime environment of the replicas that take requests: Serve runs their routes on its own event
+    loop, the one that reads and writes their sockets, instead of a loop of their own in another thread (Serve's
+    default), so a request's way in and each streamed event's way out cross no thread. Our routes never block
+    their loop (long work goes to threads), which is what Serve's separate loop guards against. An operator's
+    own RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, set where the app is built, wins."""
+    own = os.environ.get(SEPARATE_LOOP_VAR)
+    return {"env_vars": {SEPARATE_LOOP_VAR: own if own is not None else "0"}}
+
+
 def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Application:
     """The Serve application for one engine config: the ingress with its HTTP rules bound, the engine
     replicas (routing limits, resources), the config channel. The ingress and the channel hold no model and
@@ -530,7 +547,7 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
     replicas = options.num_replicas
     if replicas == "auto":
         replicas = max(gpus, 1)
-    actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica}
+    actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica, "runtime_env": replica_env()}
     if gpus > 0:
         actor_options["num_gpus"] = 1
     engine_deployment: Any = EngineAsIngress if options.ingress is IngressMode.engine else LlamaServer
@@ -543,13 +560,13 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
         request_router_config={"request_router_class": ROUTER,
                                "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S},
     )
-    on_head = {"num_cpus": 0, "resources": {HEAD_NODE: 0.001}}  # the node a cluster never loses and keeps going
+    on_head: dict[str, Any] = {"num_cpus": 0, "resources": {HEAD_NODE: 0.001}}  # the node a cluster never loses
     channel = ConfigChannel.options(ray_actor_options=on_head)  # type: ignore[attr-defined]
     engines = deployment.bind(options.model_dump(), channel.bind())
     if options.ingress is IngressMode.engine:
         return engines
     ingress = OpenAIIngress.options(  # type: ignore[attr-defined]
-        ray_actor_options=on_head,
+        ray_actor_options={**on_head, "runtime_env": replica_env()},
         max_ongoing_requests=int(replicas) * options.max_ongoing_requests + options.control_headroom)
     return ingress.bind(engines, HttpRules(options.api_key, tuple(options.cors_origins)), int(replicas))
 

@@ -105,6 +105,7 @@ class Engine:
     def __init__(self, config: EngineConfig, *, max_queued: int | None = None,
                  traffic_limit: int = DEFAULT_LIMIT) -> None:
         self.config = config
+        self.fingerprint = config.fingerprint()  # each answer names its config: computed once a config, not per request
         self.max_queued = max_queued
         self.weight_loads = 0
         self.weight_load_s = 0.0
@@ -573,6 +574,7 @@ class Engine:
             self._template = self._chat_template(model)
             self._outputs.rebind(model.token_bytes)
         self._ctx, self.config, self._n_ctx_slot = ctx, config, ctx.n_ctx_seq
+        self.fingerprint = config.fingerprint()
         self._draft_ctx = draft_ctx
         self._scheduler.prompt_cache = prompt_cache_for(config, self._scheduler.prompt_cache)
         self._scheduler.rebind(ctx, config.n_parallel, config.seed, config.speculation, draft=draft_ctx)

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -111,6 +111,10 @@ def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+def _events(frames: Iterable[dict[str, Any]]) -> str:
+    return "".join(_event(frame) for frame in frames)
+
+
 GENERATION_FAILED = "generation failed"
 
 
@@ -178,29 +182,34 @@ async def sse_events(job: Job, include_usage: bool, metrics: RequestRecorder, ri
     choice's first chunk, what it generates over `spacing()` seconds goes as one event; `None`: an event
     per token (`paced`).
 
+    The openings (a chat choice's role) go out with the first chunk that has something to say, in one write,
+    as llama-server sends them: a write each would be one more trip through the HTTP stack while other
+    requests wait for their first token. Each chunk's events go as one write.
+
     An error chunk (the engine failed a choice) sends OpenAI's error JSON as an event, then `[DONE]`.
     Anything raised here (a bug) becomes the same error event with a generic message, since the 200 status
     and headers are already out.
     """
     try:
-        for frame in job.openings():
-            yield _event(frame)
+        pending = _events(job.openings())
         async for index, chunk in merged(job.handles, spacing):
             state = job.states[index]
             if chunk.finish_reason == FinishReason.error:  # what came before the error (merged in) goes first
-                for frame in job.response.stream(state, state.feed(replace(chunk, finish_reason=None, usage=None))):
-                    yield _event(frame)
+                pending += _events(job.response.stream(state, state.feed(replace(chunk, finish_reason=None,
+                                                                                   usage=None))))
                 metrics.record_request(chunk.usage, FinishReason.error)
-                yield _event(_generation_failed(chunk).body())
+                pending += _event(_generation_failed(chunk).body())
                 break
-            for frame in job.response.stream(state, state.feed(chunk)):
-                yield _event(frame)
+            pending += _events(job.response.stream(state, state.feed(chunk)))
             if chunk.finish_reason is not None:
                 metrics.record_request(chunk.usage, chunk.finish_reason)
+            if pending:
+                yield pending
+                pending = ""
         else:
             if include_usage:
-                yield _event(job.response.usage_chunk(job.usage()))
-        yield DONE
+                pending += _event(job.response.usage_chunk(job.usage()))
+        yield pending + DONE
     except Exception:
         log.exception("streaming failed (request id %s)", rid)
         yield _event(internal_error(rid).body())
@@ -251,7 +260,7 @@ class OpenAIRoutes:
         states = [ChoiceState(i, reasoning=reasoning, thinking_open=thinking_open, tools=plan.calls)
                   for i in range(len(handles))]
         config = engine.config
-        response = ChatResponse(config.served_name, engine.token_piece, body.logprobs, config.fingerprint())
+        response = ChatResponse(config.served_name, engine.token_piece, body.logprobs, engine.fingerprint)
         return Job(handles, states, response)
 
     @api.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -279,7 +288,7 @@ class OpenAIRoutes:
             texts = [p if isinstance(p, str) else engine.detokenize(p) for p in prompts]
             echoes = [texts[i // body.n] for i in range(len(handles))]
         response = CompletionResponse(engine.config.served_name, engine.token_piece, body.logprobs is not None,
-                                      engine.config.fingerprint())
+                                      engine.fingerprint)
         return Job(handles, [ChoiceState(i) for i in range(len(handles))], response, len(prompts), echoes)
 
     @api.post("/v1/responses", responses=ERROR_RESPONSES)

@@ -546,6 +546,7 @@ class ScriptedEngine:
         from serving.request import FinishReason, GenerationChunk, Usage
 
         self.config = EngineConfig(model_alias="scripted", n_ctx=1024, n_parallel=1)
+        self.fingerprint = self.config.fingerprint()
         self.n_ctx_slot, self.n_vocab, self.n_ctx_train = 1024, 1000, 2048
         self.fail: Exception | None = None
         self.chunks = [GenerationChunk("Hello", [1]),
