@@ -26,7 +26,6 @@ import contextlib
 import logging
 import os
 import socket
-import sys
 from dataclasses import asdict
 from enum import Enum
 from collections.abc import AsyncIterator
@@ -125,10 +124,6 @@ class ServerOptions(BaseModel):
     slot_save_path: Path | None = Field(None, description="directory of slot files (POST /slots/{id}?action="
                                         "save|restore|erase, llama-server's --slot-save-path), on each replica's "
                                         "node; none: those answer 400")
-    switch_interval_ms: float = Field(0.5, gt=0, le=100, description="Python's thread switch interval in each "
-                                      "engine replica (sys.setswitchinterval): the longest the step thread waits "
-                                      "for the interpreter while the event loop takes requests in (Python's "
-                                      "default, 5, holds a first token back by up to that much per wait)")
 
     @field_validator("slot_save_path", mode="after")
     @classmethod
@@ -210,7 +205,6 @@ class LlamaServer(OpenAIRoutes):
 
     def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:
         self._options = ServerOptions(**options)
-        sys.setswitchinterval(self._options.switch_interval_ms / 1000)  # this process is this replica's own
         replica = serve.get_replica_context().replica_id.unique_id
         place = here(replica, _llama.gpu_offload_supported())
         node = f"node {place.hostname} ({place.node_ip or 'no Ray node'})"

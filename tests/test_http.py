@@ -943,3 +943,42 @@ def test_slot_files_over_http_save_erase_restore_and_refuse_bad_input(serve_url:
             assert resp.status_code == status, (path, params, payload, resp.text)
             assert resp.json()["error"]["message"], resp.text
         assert http.post("/v1/completions", json=body).status_code == 200
+
+
+async def _body_writes(app: Any, path: str, body: dict[str, Any]) -> list[bytes]:
+    """The bodies of the ASGI messages `app` sends for one POST: each is one write to the client's socket."""
+    payload = json.dumps(body).encode()
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+             "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    received = False
+    writes: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal received
+        if not received:
+            received = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()  # the client stays connected
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            writes.append(message["body"])
+
+    await app(scope, receive, send)
+    return writes
+
+
+@pytest.mark.engine
+def test_scripted_stream_sends_the_role_with_the_first_token_in_one_write(scripted: Any) -> None:
+    """A chat stream's opening frame (the role) goes out with its first token, not as a write of its own: each
+    write is another trip through the HTTP stack while other requests wait for their first token."""
+    from serving.openai import api
+
+    writes = asyncio.run(_body_writes(api, CHAT, {"messages": MSG, "stream": True}))
+    first = [json.loads(line[len("data: "):]) for line in writes[0].decode().splitlines() if line.startswith("data: ")]
+    deltas = [e["choices"][0]["delta"] for e in first]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1]["content"].startswith("Hello")
+    events = sse_events(b"".join(writes).decode().splitlines())  # the whole stream, ended by [DONE]
+    assert assert_text(events) == "Hello world"

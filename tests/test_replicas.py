@@ -60,6 +60,26 @@ def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("ingress", ["relay", "engine"])
+@pytest.mark.parametrize("operator", [None, "1"])
+def test_the_replicas_that_take_requests_run_their_routes_on_serves_loop(
+        monkeypatch: pytest.MonkeyPatch, ingress: str, operator: str | None) -> None:
+    """The replicas that take requests (the ingress, or the engine replicas with ingress=engine) get Serve's
+    switch in their runtime env: routes on Serve's own loop, unless the operator set it where the app is built."""
+    from serving import app as serving_app
+
+    monkeypatch.setattr(serving_app, "_gpus_available", lambda: 0)
+    if operator is None:
+        monkeypatch.delenv(serving_app.SEPARATE_LOOP_VAR, raising=False)
+    else:
+        monkeypatch.setenv(serving_app.SEPARATE_LOOP_VAR, operator)
+    front = deployment_of(serving_app.main({"ingress": ingress}))
+    takers = [front] if ingress == "engine" else [front, deployment_of(front.init_args[0])]
+    for d in takers:
+        assert d.ray_actor_options["runtime_env"] == {"env_vars": {serving_app.SEPARATE_LOOP_VAR: operator or "0"}}
+
+
+@pytest.mark.engine
 def test_cpu_fallback_is_one_replica_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     from serving import app as serving_app
 
