@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 from serving.config import CacheType, EngineConfig, FlashAttn, SplitMode, TensorOverride  # noqa: E402
 from serving.errors import EngineError  # noqa: E402
 from serving.guided import Guided, MaskWorker  # noqa: E402
+from serving.prompt_cache import StateBuffer  # noqa: E402
 from serving.request import Constraint, ConstraintKind, SamplingParams, TokenLogprob  # noqa: E402
 
 llama_cpp = ll  # the bindings module, for the few callers outside serving/ that need a constant
@@ -643,17 +644,17 @@ class LlamaContext:
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
 
-    def save_seq(self, seq_id: int, buffer_for: Callable[[int], bytearray]) -> memoryview:
+    def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview:
         """A slot's K/V cells as llama.cpp's per-sequence state (`llama_state_seq_get_data`), written straight
         into a buffer of at least its size from `buffer_for(size)` (serving/prompt_cache.py recycles them):
         restorable into any slot of this context."""
         size = int(ll.llama_state_seq_get_size(self.ptr, seq_id))
         buffer = buffer_for(size)
-        written = int(ll.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(buffer), size,
-                                                  seq_id))
+        view = buffer.data  # a memoryview of the array: writable, its `.obj` the array
+        written = int(ll.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(view), size, seq_id))
         if written != size:
             raise EngineError(f"llama.cpp wrote {written} of the {size} bytes of slot {seq_id}'s state")
-        return memoryview(buffer)[:size]
+        return view[:size]
 
     def load_seq(self, seq_id: int, state: memoryview) -> bool:
         """Restore a state `save_seq` made into (empty) slot `seq_id`, read in place; False when llama.cpp

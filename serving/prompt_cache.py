@@ -18,9 +18,12 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 MIN_TOKENS = 64  # a prompt shorter than this prefills faster than its state is saved and restored
 HEADROOM = 1.25  # a new state's buffer is this much larger than the state, so a later, longer one can reuse it
 MAX_SPARES = 2  # buffers of replaced states kept for the next save (a fresh buffer costs page faults)
+StateBuffer = np.ndarray  # one-dimensional, uint8: what a saved state is written into
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class CachedPrompt:
     """One stored slot state: exactly the tokens its cells held, in order, and llama.cpp's bytes of them."""
 
     tokens: tuple[int, ...]
-    state: memoryview  # llama.cpp's bytes, written and read in place: the head of a (maybe larger) bytearray
+    state: memoryview  # llama.cpp's bytes, written and read in place: the head of a (maybe larger) buffer
 
     @property
     def nbytes(self) -> int:
@@ -36,9 +39,9 @@ class CachedPrompt:
         return len(self.buffer)
 
     @property
-    def buffer(self) -> bytearray:
+    def buffer(self) -> StateBuffer:
         buffer = self.state.obj
-        assert isinstance(buffer, bytearray)
+        assert isinstance(buffer, np.ndarray)
         return buffer
 
 
@@ -63,7 +66,7 @@ class PromptCache:
         self.limit_bytes, self.min_tokens = limit_bytes, min_tokens
         self._entries: collections.OrderedDict[tuple[int, ...], CachedPrompt] = collections.OrderedDict()
         self._bytes = self._tokens = 0
-        self._spares: list[bytearray] = []
+        self._spares: list[StateBuffer] = []
         self.hits = self.hit_tokens = self.saves = self.evictions = 0
 
     def worth_saving(self, tokens: Sequence[int]) -> bool:
@@ -74,16 +77,20 @@ class PromptCache:
         key = tuple(tokens)
         return not any(len(t) >= len(key) and t[:len(key)] == key for t in self._entries)
 
-    def spare(self, size: int) -> bytearray:
+    def spare(self, size: int) -> StateBuffer:
         """A buffer of at least `size` bytes for the next save: a replaced state's, when one is large enough
         (writing into fresh memory costs a page fault per page, which on a small VM took longer than
-        llama.cpp's copy), else a new one with HEADROOM for the next, longer state of a conversation."""
-        fits = [b for b in self._spares if len(b) >= size]
+        llama.cpp's copy), else a new one with HEADROOM for the next, longer state of a conversation.
+
+        A new one is left unwritten (`np.empty`): its pages are first touched by llama.cpp's copy, which runs
+        without the interpreter lock. A zero-filled `bytearray` would fill them under the lock, stalling the
+        event loop that takes requests in and sends first tokens out: 47 ms for a 120 MB state on the dev
+        CPU (scripts/bench_state_buffer.py); in a profile of the engine replica on an H100 it was the step
+        thread's largest hold of the lock."""
+        fits = [i for i, b in enumerate(self._spares) if len(b) >= size]
         if fits:
-            buffer = min(fits, key=len)
-            self._spares.remove(buffer)
-            return buffer
-        return bytearray(int(size * HEADROOM))
+            return self._spares.pop(min(fits, key=lambda i: len(self._spares[i])))
+        return np.empty(int(size * HEADROOM), dtype=np.uint8)
 
     def put(self, tokens: Sequence[int], state: memoryview) -> bool:
         """Store a slot's state; stored prefixes of it go (it covers them; their buffers are kept for the
@@ -146,11 +153,11 @@ class PromptCache:
     def _spare_bytes(self) -> int:
         return sum(len(b) for b in list(self._spares))  # stats() reads it from other threads
 
-    def _keep_spare(self, buffer: bytearray) -> None:
+    def _keep_spare(self, buffer: StateBuffer) -> None:
         self._spares.append(buffer)
         del self._spares[:-MAX_SPARES]
 
-    def _drop(self, key: tuple[int, ...]) -> bytearray:
+    def _drop(self, key: tuple[int, ...]) -> StateBuffer:
         entry = self._entries.pop(key)
         self._bytes -= entry.nbytes
         self._tokens -= len(key)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from serving.prompt_cache import CachedPrompt, PromptCache, common_prefix
+from serving.prompt_cache import CachedPrompt, PromptCache, StateBuffer, common_prefix
 from serving.request import FinishReason, Request, SamplingParams, TokenLogprob, Usage
 from serving.speculate import (
     Acceptance, DraftContext, Drafter, ModelDrafter, PromptLookup, SpecSettings, StepCosts, could_pay, draft_length,
@@ -80,7 +80,7 @@ class ModelContext(DraftContext, Protocol):
 
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob: ...
 
-    def save_seq(self, seq_id: int, buffer_for: Callable[[int], bytearray]) -> memoryview: ...
+    def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview: ...
 
     def load_seq(self, seq_id: int, state: memoryview) -> bool: ...
 

@@ -4,46 +4,70 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from serving.prompt_cache import PromptCache, common_prefix
+from serving.prompt_cache import PromptCache, StateBuffer, common_prefix
 
 pytestmark = pytest.mark.unit
 
 
+def buffer(data: bytes) -> StateBuffer:
+    """A state's buffer as the cache makes them (PromptCache.spare): uint8, one dimension."""
+    return np.frombuffer(bytearray(data), dtype=np.uint8)
+
+
+def state(data: bytes) -> memoryview:
+    return memoryview(buffer(data))
+
+
 def test_states_stay_within_the_limit_least_recently_used_first_out() -> None:
     cache = PromptCache(limit_bytes=100, min_tokens=2)
-    assert cache.put([1, 2, 3], memoryview(bytearray(b"a" * 40)))
-    assert cache.put([4, 5, 6], memoryview(bytearray(b"b" * 40)))
+    assert cache.put([1, 2, 3], state(b"a" * 40))
+    assert cache.put([4, 5, 6], state(b"b" * 40))
     entry, shared = cache.best([1, 2, 3, 9]) or (None, 0)
     assert entry is not None and shared == 3
     cache.restored(entry, shared)  # [1, 2, 3] is now the most recent: [4, 5, 6] goes first
-    assert cache.put([7, 8, 9], memoryview(bytearray(b"c" * 40)))
+    assert cache.put([7, 8, 9], state(b"c" * 40))
     stats = cache.stats()
     assert (stats.entries, stats.bytes, stats.tokens, stats.evictions, stats.hits, stats.hit_tokens) == \
         (2, 80, 6, 1, 1, 3)
     assert cache.best([4, 5, 6]) is None and cache.best([7, 8]) is not None
-    assert not cache.put([1], memoryview(bytearray(b"x" * 101))), "a state over the whole limit is not stored"
+    assert not cache.put([1], state(b"x" * 101)), "a state over the whole limit is not stored"
 
 
 def test_a_longer_state_covers_its_prefixes() -> None:
     cache = PromptCache(limit_bytes=1000, min_tokens=3)
-    replaced = bytearray(b"a" * 10)
+    replaced = buffer(b"a" * 10)
     cache.put([1, 2, 3, 4], memoryview(replaced))
     assert not cache.worth_saving([1, 2, 3]), "a stored state extends it"
     assert not cache.worth_saving([5, 6]), "shorter than min_tokens"
     assert cache.worth_saving([1, 2, 3, 4, 5])
-    cache.put([1, 2, 3, 4, 5], memoryview(bytearray(b"b" * 12)))  # replaces its prefix [1, 2, 3, 4]
+    cache.put([1, 2, 3, 4, 5], state(b"b" * 12))  # replaces its prefix [1, 2, 3, 4]
     assert cache.stats().entries == 1 and cache.stats().bytes == 12 + 10, "its buffer is kept as a spare"
     assert cache.spare(11) is not replaced and len(cache.spare(11)) == int(11 * 1.25), "too small: a new one"
     assert cache.spare(8) is replaced and cache.stats().bytes == 12, "the next save writes into it"
     assert PromptCache(limit_bytes=0).worth_saving(list(range(100))) is False  # off
 
 
+def test_the_smallest_spare_that_fits_is_taken_and_a_new_buffer_is_left_unwritten() -> None:
+    """Spares alike in content are told apart by identity; a new buffer is np.empty, not zero-filled, so its
+    pages are first touched by llama.cpp's copy, outside the interpreter lock."""
+    cache = PromptCache(limit_bytes=1000, min_tokens=1)
+    small, large = buffer(b"\0" * 20), buffer(b"\0" * 30)
+    cache.put([1], memoryview(large))
+    cache.put([1, 2], state(b"x"))  # covers [1]: its buffer becomes a spare
+    cache.put([3], memoryview(small))
+    cache.put([3, 4], state(b"y"))
+    assert cache.spare(15) is small and cache.spare(15) is large
+    fresh = cache.spare(15)
+    assert isinstance(fresh, np.ndarray) and fresh.dtype == np.uint8 and len(fresh) == int(15 * 1.25)
+
+
 def test_the_best_state_is_the_longest_shared_prefix_and_discard_and_clear_forget() -> None:
     cache = PromptCache(limit_bytes=1000, min_tokens=1)
-    cache.put([1, 2, 3, 4], memoryview(bytearray(b"a")))
-    cache.put([1, 2, 9, 9, 9], memoryview(bytearray(b"b")))
+    cache.put([1, 2, 3, 4], state(b"a"))
+    cache.put([1, 2, 9, 9, 9], state(b"b"))
     found = cache.best([1, 2, 9, 9, 0])
     assert found is not None and found[0].tokens == (1, 2, 9, 9, 9) and found[1] == 4
     cache.discard(found[0])

@@ -12,10 +12,11 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 from serving.output import OutputProcessor
-from serving.prompt_cache import PromptCache
+from serving.prompt_cache import PromptCache, StateBuffer
 from serving.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams
 from serving.scheduler import DECODE_FAILED, SAMPLER_FAILED, RequestOutput, Scheduler
 
@@ -104,11 +105,11 @@ class FakeContext:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
-    def save_seq(self, seq_id: int, buffer_for: Callable[[int], bytearray]) -> memoryview:
+    def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview:
         self.saves.append(seq_id)
         data = json.dumps(self.kv.get(seq_id, [])).encode()
         buffer = buffer_for(len(data))
-        buffer[:len(data)] = data
+        buffer[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         return memoryview(buffer)[:len(data)]
 
     def load_seq(self, seq_id: int, state: memoryview) -> bool:
