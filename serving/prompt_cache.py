@@ -84,9 +84,9 @@ class PromptCache:
 
         A new one is left unwritten (`np.empty`): its pages are first touched by llama.cpp's copy, which runs
         without the interpreter lock. A zero-filled `bytearray` would fill them under the lock, stalling the
-        event loop that takes requests in and sends first tokens out: 47 ms for a 120 MB state on the dev
-        CPU (scripts/bench_state_buffer.py); in a profile of the engine replica on an H100 it was the step
-        thread's largest hold of the lock."""
+        event loop that takes requests in and sends first tokens out: a 0.5 ms ticker waited 52 ms through a
+        120 MB state's save on the dev CPU, against 0.9 ms for this buffer (scripts/bench_state_buffer.py);
+        in a profile of the engine replica on an H100 it was the step thread's largest hold of the lock."""
         fits = [i for i, b in enumerate(self._spares) if len(b) >= size]
         if fits:
             return self._spares.pop(min(fits, key=lambda i: len(self._spares[i])))
