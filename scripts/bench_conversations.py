@@ -18,6 +18,11 @@ Targets: our engine in-process with the cache (`cache_ram_mib` as configured, 81
 (0); with `--llama-server`, llama-server with `--cache-ram 8192` and `--cache-ram 0` (its other flags:
 `--server-args`); with `--server NAME=URL`, any OpenAI-compatible server already running. Greedy, answers of
 `--answer-tokens` (EOS ignored), so every target does the same work. JSON report, markdown table and a plot.
+
+`--think-ms` pauses after each answer before the next turn, as a user reading it does (default 0: back to
+back). Where the slots' states are saved matters there: ours saves a finished slot while the engine is idle,
+llama-server when a new prompt takes the slot, between that prompt and its first token; back to back, the
+save made as one turn ends is still under way when the next arrives, so both pay it.
 """
 
 from __future__ import annotations
@@ -88,8 +93,8 @@ def question(conversation: int, turn: int) -> str:
 
 
 async def run_target(target: Target, conversations: int, turns: int, history_tokens: int,
-                     answer_tokens: int) -> list[Turn]:
-    """Every conversation's turns, round robin, one request at a time."""
+                     answer_tokens: int, think_s: float = 0.0) -> list[Turn]:
+    """Every conversation's turns, round robin, one request at a time, `think_s` after each answer."""
     texts = {c: history(c, history_tokens) for c in range(1, conversations + 1)}
     measured: list[Turn] = []
     for turn in range(1, turns + 1):
@@ -104,6 +109,8 @@ async def run_target(target: Target, conversations: int, turns: int, history_tok
             measured.append(Turn(c, turn, len(texts[c]), record.prompt_tokens, record.cached_tokens, ttft))
             print(f"[{target.name}] conversation {c} turn {turn}: TTFT {ttft * 1000:.0f} ms, prompt "
                   f"{record.prompt_tokens} tokens, cached {record.cached_tokens}", file=sys.stderr, flush=True)
+            if think_s > 0:
+                await asyncio.sleep(think_s)
     return measured
 
 
@@ -158,6 +165,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--history-tokens", type=int, default=1500,
                    help="about how many tokens each conversation opens with (default 1500)")
     p.add_argument("--answer-tokens", type=int, default=32, help="tokens per answer (default 32)")
+    p.add_argument("--think-ms", type=float, default=0.0,
+                   help="pause after each answer before the next turn, a user reading it (default 0: back to back)")
     p.add_argument("--llama-server", metavar="BINARY", help="also run llama-server, with --cache-ram 8192 and 0")
     p.add_argument("--server-args", default="", help="llama-server's other flags, e.g. \"-np 2 -c 8192 -fa on\"")
     p.add_argument("--server", action="append", default=[], metavar="NAME=URL",
@@ -168,6 +177,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--conversations, --turns, --history-tokens and --answer-tokens must be at least 1")
     if args.turns < 2:
         p.error("--turns must be at least 2: the figure compares returning turns with first turns")
+    if args.think_ms < 0:
+        p.error("--think-ms must be 0 or more")
     return args
 
 
@@ -196,7 +207,7 @@ async def measure_all(args: argparse.Namespace, config: EngineConfig) -> dict[st
     from measure.targets import EngineTarget, HttpTarget, llama_server
     from serving.engine import Engine
 
-    shape = (args.conversations, args.turns, args.history_tokens, args.answer_tokens)
+    shape = (args.conversations, args.turns, args.history_tokens, args.answer_tokens, args.think_ms / 1000)
     results: dict[str, list[Turn]] = {}
     cache_mib = config.cache_ram_mib or 8192
     for name, mib in ((f"ours (cache_ram_mib {cache_mib})", cache_mib), ("ours, cache off", 0)):
@@ -232,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     report = {**provenance(), "command": shlex.join(["python", "scripts/bench_conversations.py", *argv]),
               "config": config.to_yaml_dict(), "conversations": args.conversations, "turns": args.turns,
-              "history_tokens": args.history_tokens, "answer_tokens": args.answer_tokens,
+              "history_tokens": args.history_tokens, "answer_tokens": args.answer_tokens, "think_ms": args.think_ms,
               "summary": [asdict(s) for s in summaries],
               "turns_measured": {name: [asdict(t) for t in turns] for name, turns in results.items()}}
     write_report(args.out, report)

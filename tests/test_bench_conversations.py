@@ -24,3 +24,34 @@ def test_llama_server_gets_its_cache_and_the_repack_setting_ours_runs_with(bench
         "-np", "2", "-c", "8192", "-t", "2", "--cache-ram", "8192", "--no-repack"]
     assert bench.peer_args(EngineConfig(cpu_repack="on"), "-np 2", 0) == ["-np", "2", "--cache-ram", "0"]
     assert bench.peer_args(off, "--repack", 0) == ["--repack", "--cache-ram", "0"]  # the caller's own wins
+
+
+@pytest.mark.parametrize("think_s", [0.0, 0.25])
+def test_turns_go_round_robin_with_the_pause_asked_for_after_each_answer(bench, monkeypatch,  # noqa: ANN001
+                                                                          think_s: float) -> None:
+    """Each turn carries the conversation's history, its earlier answers and a new question; with --think-ms
+    a pause follows every answer (a user reading it), none without."""
+    import asyncio
+
+    from measure.metrics import StreamRecord
+
+    prompts: list[str] = []
+    pauses: list[float] = []
+
+    class Answering:
+        name = "fake"
+
+        async def run_stream(self, prompt, max_tokens: int, ignore_eos: bool) -> StreamRecord:  # noqa: ANN001
+            prompts.append(prompt.text)
+            record = StreamRecord(t_start=0.0, prompt_tokens=len(prompt.text), finish_reason="length")
+            record.add_output(0.01, 1, f" answer {len(prompts)}")
+            return record
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+
+    monkeypatch.setattr(bench.asyncio, "sleep", pause)
+    turns = asyncio.run(bench.run_target(Answering(), 2, 2, 8, 4, think_s))
+    assert [(t.conversation, t.turn) for t in turns] == [(1, 1), (2, 1), (1, 2), (2, 2)]
+    assert " answer 1" in prompts[2] and " answer 2" in prompts[3] and " answer 1" not in prompts[3]
+    assert pauses == ([think_s] * 4 if think_s else [])

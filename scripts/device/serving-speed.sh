@@ -13,7 +13,8 @@
 #      against the engine in-process, one stream and four, and the first-token probe, with llama-server on the
 #      same model through the same client beside them;
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
-#      llama-server --cache-ram 8192 and 0 (CONVERSATIONS=0 skips it; CONSTRAINED=0 skips step 2).
+#      llama-server --cache-ram 8192 and 0, THINK_MS between turns (default 0) (CONVERSATIONS=0 skips it;
+#      CONSTRAINED=0 skips step 2).
 # SMOL: the embedded GGUF (default: where install-embedded.sh installed it). OUT/progress.log says
 # where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow at once: a lent machine
 # left idle for ~30 s goes back with everything on it (the build, the models, a run half done).
@@ -78,7 +79,8 @@ if [ "${CONVERSATIONS:-1}" != 0 ]; then
   say "conversations (27B-class)"
   python3 scripts/bench_conversations.py --model "$MODEL" --engine n_parallel=2 --engine n_ctx=8192 \
     --engine flash_attn=on --engine type_k=q8_0 --engine type_v=q8_0 --llama-server "$SERVER" \
-    --server-args "-np 2 -c 8192 -fa on -ctk q8_0 -ctv q8_0 -ngl 999" --out "$OUT/conversations_$GPU.json" \
+    --server-args "-np 2 -c 8192 -fa on -ctk q8_0 -ctv q8_0 -ngl 999" --think-ms "${THINK_MS:-0}" \
+    --out "$OUT/conversations_$GPU.json" \
     > "$OUT/conversations.txt" 2>&1
   RC=$?
   say "conversations rc=$RC"
