@@ -198,10 +198,14 @@ Progress = Callable[[str, int, int, RoundFigures], None]  # target, level, repea
 class Runner:
     """Runs a workload on targets; request numbers keep counting across calls (fresh prefixes)."""
 
-    def __init__(self, workload: Workload, first_request: int = 1, round_timeout_s: float = ROUND_TIMEOUT_S) -> None:
+    def __init__(self, workload: Workload, first_request: int = 1, round_timeout_s: float = ROUND_TIMEOUT_S,
+                 pause_s: float = 0.0) -> None:
+        """`pause_s`: idle time before each round, so what a target does while idle (the prompt cache's
+        saves) is done before its next round and never during another target's; 0: rounds back to back."""
         self.workload = workload
         self.prompts = Prompts(workload.prompt_set, first_request)
         self.round_timeout_s = round_timeout_s
+        self.pause_s = pause_s
 
     async def round(self, target: Target, streams: int) -> RoundFigures:
         """`streams` requests started together, each with its own prompt."""
@@ -211,6 +215,8 @@ class Runner:
         """A round's figures, and its streams' records (their text, for comparing outputs)."""
         w = self.workload
         prompts = self.prompts.round(streams)
+        if self.pause_s > 0:
+            await asyncio.sleep(self.pause_s)
         t0 = time.perf_counter()
         records = await asyncio.wait_for(
             asyncio.gather(*(target.run_stream(p, w.gen_tokens, w.ignore_eos) for p in prompts)),

@@ -134,7 +134,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 targets.append(await stack.enter_async_context(serve_app.deployed(
                     port, {**overrides, **v.args}, args.load_timeout, 300.0, name=v.name, env=v.env)))
             workload = Workload(gen_tokens=args.max_tokens, levels=args.levels, repeats=args.repeats)
-            runner = Runner(workload)
+            runner = Runner(workload, pause_s=args.pause_ms / 1000)
             results = await runner.levels(targets, lambda name, level, rep, f: print(
                 f"  {name:<12} c={level} rep {rep}: {f.aggregate_tok_s:.1f} tok/s", file=sys.stderr))
             probe = await first_token_probe(targets, args.probe) if args.probe else {}
@@ -147,7 +147,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "variants": {v.name: {"args": v.args, "env": v.env} for v in args.variant},
             "servers": dict(args.server),
             "direct": {v.name: {"args": v.args, "env": v.env} for v in args.direct},
-            "local": {v.name: {"args": v.args} for v in args.local},
+            "local": {v.name: {"args": v.args} for v in args.local}, "pause_ms": args.pause_ms,
             "results": {name: {str(n): level.as_dict() for n, level in levels.items()}
                         for name, levels in results.items()},
             "ratios": {name: {str(n): ratios(level.median, reference[n].median) for n, level in levels.items()}
@@ -305,10 +305,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace", type=int, default=0, metavar="N",
                    help="also N rounds of the largest level per target, each stream's TTFT and the engine's own "
                         "printed (default 0: none)")
+    p.add_argument("--pause-ms", type=float, default=0.0,
+                   help="idle time before each round (the levels and the trace), so each target's idle work, the "
+                        "prompt cache's saves, is done before its next round and never during another target's "
+                        "(default 0: rounds back to back)")
     p.add_argument("--load-timeout", type=float, default=300.0)
     p.add_argument("--json-out", type=Path)
     p.add_argument("--from-json", type=Path, help="print the table of a saved run instead of measuring")
     args = p.parse_args(argv)
+    if args.pause_ms < 0:
+        p.error("--pause-ms must be 0 or more")
     if any(v.env for v in args.local):
         p.error("--local takes engine settings (name:KEY=VALUE,...), not env: an engine in this process has ours")
     names = [IN_PROCESS, *(v.name for v in [*args.variant, *args.direct, *args.local]), *(n for n, _ in args.server)]

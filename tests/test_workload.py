@@ -82,3 +82,32 @@ def test_provenance_takes_the_commit_it_is_told(monkeypatch) -> None:  # type: i
     assert commit() != "feedc0de"
     monkeypatch.setenv(COMMIT_ENV, "feedc0de")
     assert commit() == "feedc0de" and provenance()["commit"] == "feedc0de"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("pause_s", [0.0, 0.3])
+def test_a_pause_comes_before_every_round_when_asked_for(monkeypatch: pytest.MonkeyPatch, pause_s: float) -> None:
+    """With pause_s each round starts after that much idle time (a target's idle work, the prompt cache's
+    saves, is done before the next round); without, rounds follow back to back."""
+    from measure import workload as workload_module
+    from measure.metrics import StreamRecord
+
+    events: list[str] = []
+
+    class Quick:
+        name = "quick"
+
+        async def run_stream(self, prompt: object, max_tokens: int, ignore_eos: bool) -> StreamRecord:
+            events.append("stream")
+            record = StreamRecord(t_start=0.0, t_end=0.02, finish_reason="length")
+            record.add_output(0.01, max_tokens, "x")
+            return record
+
+    async def pause(seconds: float) -> None:
+        events.append(f"pause {seconds}")
+
+    monkeypatch.setattr(workload_module.asyncio, "sleep", pause)
+    runner = Runner(Workload(gen_tokens=2, levels=(2,), repeats=1), pause_s=pause_s)
+    asyncio.run(runner.levels([Quick()]))  # a warm-up round and one measured
+    one_round = ["stream", "stream"]
+    assert events == ([f"pause {pause_s}", *one_round] * 2 if pause_s else one_round * 2)
