@@ -7,6 +7,13 @@ are dropped for an unrelated prompt, its state (llama.cpp's per-sequence state, 
 is stored here under its tokens, and a later prompt that extends a stored prefix further than any slot does
 gets that state restored into its slot (`llama_state_seq_set_data`) and prefills only the rest.
 
+A save is priced before it is made: a state that adds only a few tokens to one already stored is not copied
+when prefilling those tokens on the conversation's return costs less than the copy now (PromptPrices). On an
+H100 (27B-class, 2 slots, six ~1,500-token conversations taking turns, docs/performance.md) a returning turn
+whose slot had to be saved first took 188-222 ms to its first token, one whose slot was saved already 70-89
+ms: the copy costs more than prefilling the ~65 tokens a chat turn adds. On a CPU with a small model the copy
+is cheap and prefill dear, so every state is saved.
+
 Bounded by bytes, least recently used first out. A stored state is valid only for the context that made it
 (its layout of streams and cache types): the scheduler empties this cache whenever the context is rebuilt.
 Pure bookkeeping: no llama.cpp call here (the scheduler moves the bytes through its ModelContext).
@@ -15,6 +22,7 @@ Pure bookkeeping: no llama.cpp call here (the scheduler moves the bytes through 
 from __future__ import annotations
 
 import collections
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +31,8 @@ import numpy as np
 MIN_TOKENS = 64  # a prompt shorter than this prefills faster than its state is saved and restored
 HEADROOM = 1.25  # a new state's buffer is this much larger than the state, so a later, longer one can reuse it
 MAX_SPARES = 2  # buffers of replaced states kept for the next save (a fresh buffer costs page faults)
+PRICE_WINDOW = 8  # prices are the median of this many recent measurements (one slowed by a neighbour is not the price)
+PREFILL_PRICE_ROWS = 256  # a step with fewer prompt rows costs about its weight reads, not its tokens: no price
 StateBuffer = np.ndarray  # one-dimensional, uint8: what a saved state is written into
 
 
@@ -45,6 +55,42 @@ class CachedPrompt:
         return buffer
 
 
+class PromptPrices:
+    """What saving a state and prefilling a prompt cost per token, on this machine and context, as the engine
+    measured them: the median of the last PRICE_WINDOW saves (seconds over the tokens saved), and of the last
+    PRICE_WINDOW steps with at least PREFILL_PRICE_ROWS prompt rows (seconds over the rows).
+
+    Prefill is priced at long prompts' rate, which for the few tokens a skipped save leaves over is an upper
+    bound (a short prefill costs hardly more than one decode step): so it leans to saving. Until both are
+    measured, every state worth saving is saved."""
+
+    def __init__(self) -> None:
+        self._save: collections.deque[float] = collections.deque(maxlen=PRICE_WINDOW)
+        self._prefill: collections.deque[float] = collections.deque(maxlen=PRICE_WINDOW)
+
+    def saved(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds >= 0:
+            self._save.append(seconds / tokens)
+
+    def prefilled(self, rows: int, prompt_rows: int, seconds: float) -> None:
+        """A decode of `rows` rows, `prompt_rows` of them prompt tokens, took `seconds`."""
+        if prompt_rows >= PREFILL_PRICE_ROWS and seconds >= 0:
+            self._prefill.append(seconds / rows)
+
+    @property
+    def save_s_per_token(self) -> float | None:
+        return statistics.median(self._save) if self._save else None
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        return statistics.median(self._prefill) if self._prefill else None
+
+    def skip_pays(self, tokens: int, uncovered: int) -> bool:
+        """Whether prefilling `uncovered` tokens later costs less than saving a state of `tokens` tokens now."""
+        save, prefill = self.save_s_per_token, self.prefill_s_per_token
+        return save is not None and prefill is not None and uncovered * prefill < tokens * save
+
+
 @dataclass(frozen=True)
 class PromptCacheStats:
     """What /slots and /metrics show of the cache."""
@@ -56,6 +102,7 @@ class PromptCacheStats:
     hits: int  # prompts that had a stored state restored into their slot
     hit_tokens: int  # prompt tokens those restores saved from prefill
     saves: int
+    skipped: int  # states not saved: a stored one covered all but what prefills faster than the copy
     evictions: int  # states dropped to stay under the limit
 
 
@@ -67,15 +114,23 @@ class PromptCache:
         self._entries: collections.OrderedDict[tuple[int, ...], CachedPrompt] = collections.OrderedDict()
         self._bytes = self._tokens = 0
         self._spares: list[StateBuffer] = []
-        self.hits = self.hit_tokens = self.saves = self.evictions = 0
+        self.prices = PromptPrices()
+        self.hits = self.hit_tokens = self.saves = self.skipped = self.evictions = 0
 
     def worth_saving(self, tokens: Sequence[int]) -> bool:
-        """Whether a slot holding `tokens` should be saved before its cells are dropped: long enough, and not
-        already here (a stored state that extends it covers it too)."""
+        """Whether a slot holding `tokens` should be saved before its cells are dropped: long enough, not
+        already here (a stored state that extends it covers it too), and the tokens no stored state covers
+        would cost more to prefill again than the copy costs now (PromptPrices)."""
         if self.limit_bytes <= 0 or len(tokens) < self.min_tokens:
             return False
         key = tuple(tokens)
-        return not any(len(t) >= len(key) and t[:len(key)] == key for t in self._entries)
+        covered = max((common_prefix(t, key) for t in self._entries), default=0)
+        if covered == len(key):
+            return False
+        if self.prices.skip_pays(len(key), len(key) - covered):
+            self.skipped += 1
+            return False
+        return True
 
     def spare(self, size: int) -> StateBuffer:
         """A buffer of at least `size` bytes for the next save: a replaced state's, when one is large enough
@@ -137,17 +192,19 @@ class PromptCache:
             self._drop(entry.tokens)
 
     def clear(self) -> None:
-        """Forget every state (the context they came from is gone), and the spare buffers; the counters stay."""
+        """Forget every state (the context they came from is gone), the spare buffers and the prices (a new
+        context has its own); the counters stay."""
         self._entries.clear()
         self._spares.clear()
+        self.prices = PromptPrices()
         self._bytes = self._tokens = 0
 
     def stats(self) -> PromptCacheStats:
         """Plain counts (any thread may read them: nothing here iterates the entries)."""
         return PromptCacheStats(limit_bytes=self.limit_bytes, entries=len(self._entries),
                                 bytes=self._bytes + self._spare_bytes,
-                                tokens=self._tokens, hits=self.hits,
-                                hit_tokens=self.hit_tokens, saves=self.saves, evictions=self.evictions)
+                                tokens=self._tokens, hits=self.hits, hit_tokens=self.hit_tokens,
+                                saves=self.saves, skipped=self.skipped, evictions=self.evictions)
 
     @property
     def _spare_bytes(self) -> int:

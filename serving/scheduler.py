@@ -8,7 +8,8 @@ A slot keeps the tokens of its last request in the K/V cache after it finishes; 
 free slot whose cache shares the longest prefix with its prompt, and only the rest is prefilled. This is
 what makes a follow-up chat turn cheap. With a host-RAM prompt cache (serving/prompt_cache.py, llama-server's
 --cache-ram), a finished slot's state is saved while the engine is idle (save_idle), or at the latest before an
-unrelated prompt drops its cells, and a prompt that extends a saved state further than any slot's cache gets it
+unrelated prompt drops its cells (unless a stored state covers all of it but what prefills again faster than
+the copy, as measured here), and a prompt that extends a saved state further than any slot's cache gets it
 restored into the least recently used slot.
 
 The scheduler never touches text, handles or threads (vLLM v1's split): it reaches llama.cpp only through
@@ -234,8 +235,11 @@ class Scheduler:
         if self._decode(outputs):
             self._share_prompts()
             self._sample(outputs)
+            seconds = self._clock() - t0
             if ctx.batch_size == generating_rows:  # prompt rows cost otherwise: price only generation steps
-                self._costs.observe(generating_rows, self._clock() - t0)
+                self._costs.observe(generating_rows, seconds)
+            elif self.prompt_cache is not None:  # what a skipped save's tokens would cost to prefill again
+                self.prompt_cache.prices.prefilled(ctx.batch_size, ctx.batch_size - generating_rows, seconds)
         return outputs, True
 
     def _draft(self, slot: Slot, room: int, rows: int) -> list[int]:
@@ -522,7 +526,10 @@ class Scheduler:
             return
         try:
             if cache.worth_saving(slot.cache):
-                cache.put(slot.cache, self._ctx.save_seq(slot.seq_id, cache.spare))
+                t0 = self._clock()
+                state = self._ctx.save_seq(slot.seq_id, cache.spare)
+                cache.prices.saved(len(slot.cache), self._clock() - t0)
+                cache.put(slot.cache, state)
         except Exception:
             log.exception("saving slot %d's state (%d tokens) failed", slot.seq_id, len(slot.cache))
 

@@ -85,3 +85,26 @@ def test_common_prefix_agrees_with_a_token_by_token_count_across_chunk_boundarie
         b = a[:cut] + [rng.randint(0, 3) for _ in range(rng.randint(0, 600))]
         naive = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         assert common_prefix(a, b) == naive and common_prefix(tuple(a), tuple(b)) == naive
+
+
+def test_a_save_is_skipped_only_where_prefilling_what_it_adds_costs_less_than_the_copy() -> None:
+    """Priced on the machine: with no prices yet every state worth saving is saved; once measured, a state
+    that adds a few tokens to a stored one is skipped where those tokens prefill faster than the copy (a large
+    model on a GPU), and saved where the copy is cheap (a small model on a CPU). Prefill is priced only from
+    long prompts."""
+    cache = PromptCache(limit_bytes=10_000, min_tokens=4)
+    cache.put(list(range(100)), state(b"a" * 100))
+    grown = list(range(110))  # 10 tokens past the stored state
+    assert cache.worth_saving(grown), "nothing measured yet: saved"
+    cache.prices.prefilled(rows=64, prompt_rows=64, seconds=1.0)
+    assert cache.prices.prefill_s_per_token is None, "a short prompt's step is no price of prefill"
+    cache.prices.prefilled(rows=300, prompt_rows=298, seconds=0.3)  # 1 ms a token
+    cache.prices.saved(tokens=1000, seconds=0.05)  # 0.05 ms a token: 5.5 ms for these 110
+    assert cache.worth_saving(grown) and cache.stats().skipped == 0, "10 ms of prefill > 5.5 ms of copy: saved"
+    for _ in range(8):
+        cache.prices.saved(tokens=1000, seconds=0.2)  # the copy got dearer: 22 ms > 10 ms of prefill
+    assert not cache.worth_saving(grown) and cache.stats().skipped == 1
+    assert cache.worth_saving(list(range(100)) + list(range(500, 530))), "30 uncovered tokens: 30 ms > 26 ms"
+    assert cache.worth_saving(list(range(1000, 1110))), "nothing stored covers it: 110 ms of prefill"
+    cache.clear()
+    assert cache.prices.save_s_per_token is None, "a new context is priced anew"

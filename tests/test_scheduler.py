@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from serving.output import OutputProcessor
-from serving.prompt_cache import PromptCache, StateBuffer
+from serving.prompt_cache import PromptCache, PromptPrices, StateBuffer
 from serving.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams
 from serving.scheduler import DECODE_FAILED, SAMPLER_FAILED, RequestOutput, Scheduler
 
@@ -798,3 +798,55 @@ def test_a_save_that_fails_while_idle_fails_nothing_else(broken: str) -> None:
     assert s.save_idle() and not s.save_idle() and cache.stats().entries == 0
     done = ends(_turns(s, ctx, [list(range(70, 82)), a + [22, 23, 5]]))
     assert [o.finish for o in done.values()] == [FinishReason.length, FinishReason.length]
+
+
+class FixedPrices(PromptPrices):
+    """Prices as a machine might have measured them (the fake context's own saves take microseconds)."""
+
+    def __init__(self, save_s_per_token: float, prefill_s_per_token: float) -> None:
+        super().__init__()
+        self._fixed = (save_s_per_token, prefill_s_per_token)
+
+    @property
+    def save_s_per_token(self) -> float:
+        return self._fixed[0]
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return self._fixed[1]
+
+
+@pytest.mark.parametrize("copy_is_dear", [True, False])
+def test_a_turn_that_adds_little_to_a_stored_state_is_saved_only_where_the_copy_costs_less(
+        copy_is_dear: bool) -> None:
+    """One slot, two conversations taking turns. a's first state is stored when b takes the slot; a comes
+    back, restored, and adds 4 cells. Where the copy of its 17 cells costs more than prefilling those 4 (a
+    large model on a GPU), b takes the slot without a copy, and a's next turn restores the older state and
+    prefills the rest; where the copy is cheap, it is made and a's next turn restores all of it."""
+    cache = PromptCache(limit_bytes=1 << 20, min_tokens=4)
+    ctx = FakeContext()
+    s = Scheduler(ctx, 1, default_seed=1, prompt_cache=cache)
+    a, b = list(range(10, 22)), list(range(40, 52))
+    _turns(s, ctx, [a, b])
+    assert ctx.saves == [0] and cache.stats().tokens == 13
+    cache.prices = FixedPrices(save_s_per_token=0.001 if copy_is_dear else 0.0001, prefill_s_per_token=0.003)
+    a2 = a + [22, 23, 90, 91]
+    (turn,) = ends(_turns(s, ctx, [a2])).values()
+    assert turn.usage.cached_tokens == 13
+    _turns(s, ctx, [b + [52, 53, 7]])  # a's 17 cells, 13 stored: 12 ms of prefill against 17 or 1.7 of copy
+    assert (len(ctx.saves), cache.stats().skipped) == ((2, 1) if copy_is_dear else (3, 0))
+    (back,) = ends(_turns(s, ctx, [a2 + [92, 93, 94]])).values()
+    assert back.finish == FinishReason.length
+    assert back.usage.cached_tokens == (13 if copy_is_dear else 17)
+
+
+def test_the_scheduler_prices_its_saves_and_long_prefills_as_it_runs() -> None:
+    ticks = itertools.count()
+    cache = PromptCache(limit_bytes=1 << 24, min_tokens=4)
+    ctx = FakeContext(n_ctx_seq=1024, batch_capacity=512)
+    s = Scheduler(ctx, 1, default_seed=1, prompt_cache=cache, clock=lambda: float(next(ticks)))
+    _turns(s, ctx, [list(range(10, 22))])
+    assert cache.prices.prefill_s_per_token is None, "12 prompt rows: no price of prefill"
+    _turns(s, ctx, [list(range(1000, 1300))])  # the short prompt's slot is saved: priced
+    assert cache.prices.save_s_per_token is not None and cache.prices.save_s_per_token > 0
+    assert cache.prices.prefill_s_per_token is not None and cache.prices.prefill_s_per_token > 0
