@@ -21,6 +21,11 @@ its threads' spin-wait once its teams outnumber the cores (2-core machine, embed
 tok/s with one engine, ~35 with two; `OMP_WAIT_POLICY=active` gave one of them its speed back), so on a CPU
 compare `--local` engines with each other, not with other targets.
 
+A server's streams run in this process's one event loop by default, so the last of four requests leaves some
+milliseconds after the first and that counts in its TTFT; `--clients processes` runs each stream from a client
+process of its own (measure/clients.py), as separate programs would, and `--clients both` measures each server
+both ways in the same rounds (the second named NAME+procs).
+
 In process, a stream's output is its text, as our server's stream shows it: a token that renders as nothing
 (a special token, half a UTF-8 character) gets no SSE event, so a client sees it with the next text, and the
 in-process targets count it there too (measure/targets.py, EngineTarget `text_only`).
@@ -38,6 +43,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +53,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
 from measure import serve_app  # noqa: E402
+from measure.clients import ProcessClients  # noqa: E402
 from measure.cluster import ClusterApp, LocalCluster, direct_ingress_settings, direct_url  # noqa: E402
 from measure.device import Gpu  # noqa: E402
 from measure.metrics import (  # noqa: E402
@@ -58,6 +65,15 @@ from measure.workload import Prompt, Runner, Target, Workload  # noqa: E402
 from serving.config import load_engine_config  # noqa: E402
 
 IN_PROCESS = "in-process"
+PROCS = "+procs"  # the suffix of a server's target whose streams come from client processes (--clients both)
+
+
+class Clients(str, Enum):
+    """How a server's streams are run: in this process's event loop, from a process each, or both ways."""
+
+    loop = "loop"
+    processes = "processes"
+    both = "both"
 
 
 @dataclass(frozen=True)
@@ -126,10 +142,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for v in args.direct:
                 servers.append((v.name, stack.enter_context(direct_app(v, overrides, args.load_timeout))))
             for name, url in servers:
-                server = HttpTarget(name, url)
-                stack.push_async_callback(server.aclose)
-                await server.preflight()
-                targets.append(server)
+                targets += await http_targets(stack, name, url, args.clients, max(args.levels, default=1))
             for v in args.variant:
                 targets.append(await stack.enter_async_context(serve_app.deployed(
                     port, {**overrides, **v.args}, args.load_timeout, 300.0, name=v.name, env=v.env)))
@@ -148,6 +161,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "servers": dict(args.server),
             "direct": {v.name: {"args": v.args, "env": v.env} for v in args.direct},
             "local": {v.name: {"args": v.args} for v in args.local}, "pause_ms": args.pause_ms,
+            "clients": args.clients.value,
             "results": {name: {str(n): level.as_dict() for n, level in levels.items()}
                         for name, levels in results.items()},
             "ratios": {name: {str(n): ratios(level.median, reference[n].median) for n, level in levels.items()}
@@ -160,6 +174,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "probe_ttft_ms": probe,
             "trace": {name: [[asdict(stream) for stream in streams] for streams in rounds]
                       for name, rounds in trace.items()}}
+
+
+async def http_targets(stack: contextlib.AsyncExitStack, name: str, url: str, clients: Clients,
+                       streams: int) -> list[Target]:
+    """The server at `url` as a target per way of being a client: streams in this process's event loop (named
+    `name`), and/or streams from client processes of their own (`name+procs`, measure/clients.py)."""
+    targets: list[Target] = []
+    if clients in (Clients.loop, Clients.both):
+        server = HttpTarget(name, url)
+        stack.push_async_callback(server.aclose)
+        await server.preflight()
+        targets.append(server)
+    if clients in (Clients.processes, Clients.both):
+        procs = ProcessClients(name + PROCS if clients is Clients.both else name, url, streams)
+        stack.push_async_callback(procs.aclose)
+        await procs.start()
+        targets.append(procs)
+    return targets
 
 
 async def first_token_probe(targets: Sequence[Target], rounds: int) -> dict[str, list[float]]:
@@ -309,6 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="idle time before each round (the levels and the trace), so each target's idle work, the "
                         "prompt cache's saves, is done before its next round and never during another target's "
                         "(default 0: rounds back to back)")
+    p.add_argument("--clients", type=Clients, choices=list(Clients), default=Clients.loop,
+                   help="how the streams of a --server or --direct target are run: loop (one event loop in this "
+                        "process, as before), processes (a client process per stream: no stream waits on "
+                        "another's client), both (each server twice, the second named NAME+procs); default loop")
     p.add_argument("--load-timeout", type=float, default=300.0)
     p.add_argument("--json-out", type=Path)
     p.add_argument("--from-json", type=Path, help="print the table of a saved run instead of measuring")

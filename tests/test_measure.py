@@ -336,3 +336,73 @@ def test_in_process_output_is_every_token_or_only_text_as_our_stream_shows_it(te
     else:
         assert (record.output_tokens, record.parts) == ([1, 1, 1, 1], ["", "\n", "Hi", ""])
     assert record.completion_tokens == 4 and len(record.output_times) == len(record.output_tokens)
+
+
+def test_process_clients_run_streams_at_once_each_timed_in_its_own_process() -> None:
+    """Four streams from four client processes: the fake server answers none until all four requests are in
+    (one client running them in turn would never get there), their records come back timed on the parent's
+    clock, and a server's error reaches the round that asked, as a StreamError."""
+    import asyncio
+    import time
+
+    from measure.clients import ProcessClients
+    from measure.workload import Prompt
+
+    events = ('data: {"choices": [{"index": 0, "text": "Hi", "finish_reason": "length"}]}\n\n'
+              'data: [DONE]\n\n')
+    ok = (f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {len(events)}\r\n\r\n"
+          f"{events}").encode()
+    models = b'{"data": [{"id": "fake-model"}]}'
+    listing = (f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(models)}\r\n\r\n"
+               ).encode() + models
+    error = b'{"error": {"message": "no", "type": "invalid_request_error"}}'
+    refused = (f"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {len(error)}\r\n\r\n"
+               ).encode() + error
+
+    async def run() -> tuple[list[StreamRecord], float, float, str]:
+        arrived: list[asyncio.Event] = []
+        all_in = asyncio.Event()
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while not reader.at_eof():
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    break
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length")), 0)
+                body = await reader.readexactly(length)
+                if head.startswith(b"GET"):
+                    writer.write(listing)
+                elif b"refuse me" in body:
+                    writer.write(refused)
+                else:
+                    arrived.append(asyncio.Event())
+                    if len(arrived) == 4:
+                        all_in.set()
+                    await asyncio.wait_for(all_in.wait(), 60)
+                    writer.write(ok)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        clients = ProcessClients("fake", f"http://127.0.0.1:{port}/v1", workers=4)
+        try:
+            await clients.start()
+            before = time.perf_counter()
+            records = await asyncio.gather(*(clients.run_stream(Prompt(f"Hello {i}", chat=False), 1, True)
+                                             for i in range(4)))
+            after = time.perf_counter()
+            with pytest.raises(StreamError, match="HTTP 400"):
+                await clients.run_stream(Prompt("refuse me", chat=False), 1, True)
+            return list(records), before, after, clients.model_name
+        finally:
+            await clients.aclose()
+            server.close()
+
+    records, before, after, model = asyncio.run(run())
+    assert model == "fake-model"
+    for record in records:
+        assert before <= record.t_start < record.t_sent < record.output_times[0] <= record.t_end <= after
+        assert record.text == "Hi" and record.finish_reason == "length"
