@@ -81,6 +81,11 @@ class ReplicaMetrics:
                                              "instead of prefilled.", labels, registry=reg),
             "cache_evictions": prom.Counter("llm_prompt_cache_evictions", "Saved prompt states dropped to stay "
                                             "within cache_ram_mib.", labels, registry=reg),
+            "cache_saves": prom.Counter("llm_prompt_cache_saves", "Slot states saved to host RAM.", labels,
+                                        registry=reg),
+            "cache_skipped": prom.Counter("llm_prompt_cache_skipped_saves", "Slot states not saved: a stored one "
+                                          "covered all but what prefills faster than the copy.", labels,
+                                          registry=reg),
             "cache_bytes": prom.Gauge("llm_prompt_cache_bytes", "Host RAM held by saved prompt states.", labels,
                                       registry=reg),
             "cache_entries": prom.Gauge("llm_prompt_cache_entries", "Saved prompt states.", labels, registry=reg),
@@ -126,6 +131,11 @@ class ReplicaMetrics:
                                                     "restored from host RAM instead of prefilled.", tag_keys=tags),
             "cache_evictions": ray_metrics.Counter("llm_prompt_cache_evictions", description="Saved prompt states "
                                                    "dropped to stay within cache_ram_mib.", tag_keys=tags),
+            "cache_saves": ray_metrics.Counter("llm_prompt_cache_saves", description="Slot states saved to host "
+                                               "RAM.", tag_keys=tags),
+            "cache_skipped": ray_metrics.Counter("llm_prompt_cache_skipped_saves", description="Slot states not "
+                                                 "saved: a stored one covered all but what prefills faster than "
+                                                 "the copy.", tag_keys=tags),
             "cache_bytes": ray_metrics.Gauge("llm_prompt_cache_bytes", description="Host RAM held by saved "
                                              "prompt states.", tag_keys=tags),
             "cache_entries": ray_metrics.Gauge("llm_prompt_cache_entries", description="Saved prompt states.",
@@ -206,6 +216,8 @@ class ReplicaMetrics:
         self._grow("cache_hits", cache["hits"])
         self._grow("cache_hit_tokens", cache["hit_tokens"])
         self._grow("cache_evictions", cache["evictions"])
+        self._grow("cache_saves", cache["saves"])
+        self._grow("cache_skipped", cache["skipped"])
         labels, tags = self._labels()
         for name, key in (("cache_bytes", "bytes"), ("cache_entries", "entries")):
             self._prom[name].labels(**labels).set(cache[key])

@@ -502,8 +502,8 @@ def test_speculation_counters_reach_the_metrics_as_deltas() -> None:
 
 @pytest.mark.engine
 def test_prompt_cache_counts_reach_the_metrics() -> None:
-    """/metrics: the prompt cache's hits, restored tokens and evictions as counters growing by the engine's
-    deltas, its bytes and entries as gauges; nothing when the cache is off."""
+    """/metrics: the prompt cache's hits, restored tokens, evictions, saves and skipped saves as counters
+    growing by the engine's deltas, its bytes and entries as gauges; nothing when the cache is off."""
     from serving.metrics import ReplicaMetrics
 
     def lines(text: bytes) -> dict[str, float]:
@@ -515,9 +515,11 @@ def test_prompt_cache_counts_reach_the_metrics() -> None:
              "counters": {"spec_drafted": 0, "spec_accepted": 0}, "prompt_cache": None}
     assert lines(metrics.exposition(stats)) == {}
     cache = {"limit_bytes": 1000, "entries": 2, "bytes": 600, "tokens": 90, "hits": 3, "hit_tokens": 75,
-             "saves": 5, "evictions": 1}
+             "saves": 5, "skipped": 4, "evictions": 1}
     assert lines(metrics.exposition({**stats, "prompt_cache": cache})) == {
         "llm_prompt_cache_hits_total": 3.0, "llm_prompt_cache_hit_tokens_total": 75.0,
-        "llm_prompt_cache_evictions_total": 1.0, "llm_prompt_cache_bytes": 600.0, "llm_prompt_cache_entries": 2.0}
+        "llm_prompt_cache_evictions_total": 1.0, "llm_prompt_cache_saves_total": 5.0,
+        "llm_prompt_cache_skipped_saves_total": 4.0, "llm_prompt_cache_bytes": 600.0,
+        "llm_prompt_cache_entries": 2.0}
     later = {**cache, "hits": 5, "hit_tokens": 100, "entries": 1, "bytes": 300}
     assert lines(metrics.exposition({**stats, "prompt_cache": later}))["llm_prompt_cache_hits_total"] == 5.0
