@@ -83,7 +83,7 @@ class ReplicaMetrics:
                                             "within cache_ram_mib.", labels, registry=reg),
             "cache_saves": prom.Counter("llm_prompt_cache_saves", "Slot states saved to host RAM.", labels,
                                         registry=reg),
-            "cache_skipped": prom.Counter("llm_prompt_cache_skipped_saves", "Slot states not saved: a stored one "
+            "cache_skipped": prom.Counter("llm_prompt_cache_skipped_saves", "Saves priced out: a stored state "
                                           "covered all but what prefills faster than the copy.", labels,
                                           registry=reg),
             "cache_bytes": prom.Gauge("llm_prompt_cache_bytes", "Host RAM held by saved prompt states.", labels,
@@ -133,8 +133,8 @@ class ReplicaMetrics:
                                                    "dropped to stay within cache_ram_mib.", tag_keys=tags),
             "cache_saves": ray_metrics.Counter("llm_prompt_cache_saves", description="Slot states saved to host "
                                                "RAM.", tag_keys=tags),
-            "cache_skipped": ray_metrics.Counter("llm_prompt_cache_skipped_saves", description="Slot states not "
-                                                 "saved: a stored one covered all but what prefills faster than "
+            "cache_skipped": ray_metrics.Counter("llm_prompt_cache_skipped_saves", description="Saves priced "
+                                                 "out: a stored state covered all but what prefills faster than "
                                                  "the copy.", tag_keys=tags),
             "cache_bytes": ray_metrics.Gauge("llm_prompt_cache_bytes", description="Host RAM held by saved "
                                              "prompt states.", tag_keys=tags),

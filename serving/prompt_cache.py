@@ -102,7 +102,8 @@ class PromptCacheStats:
     hits: int  # prompts that had a stored state restored into their slot
     hit_tokens: int  # prompt tokens those restores saved from prefill
     saves: int
-    skipped: int  # states not saved: a stored one covered all but what prefills faster than the copy
+    skipped: int  # saves priced out (a stored state covered all but what prefills faster than the copy); a
+    # slot looked at while idle and again when taken counts twice
     evictions: int  # states dropped to stay under the limit
 
 
