@@ -14,6 +14,13 @@ whose slot had to be saved first took 188-222 ms to its first token, one whose s
 ms: the copy costs more than prefilling the ~65 tokens a chat turn adds. On a CPU with a small model the copy
 is cheap and prefill dear, so every state is saved.
 
+States are found through an index of their tokens in blocks (BLOCK tokens, hashed in a chain, so equal
+prefixes share index entries): a lookup walks the prompt block by block to the deepest block any stored state
+shares, and compares only the states there token by token (at most CANDIDATES, the most recently stored). So a
+lookup costs about the prompt's length, not the number of states: a full cache of a small model holds
+thousands, and a scan of them all, every admission, held the step thread for milliseconds
+(scripts/bench_prompt_cache_lookup.py).
+
 Bounded by bytes, least recently used first out. A stored state is valid only for the context that made it
 (its layout of streams and cache types): the scheduler empties this cache whenever the context is rebuilt.
 Pure bookkeeping: no llama.cpp call here (the scheduler moves the bytes through its ModelContext).
@@ -22,6 +29,7 @@ Pure bookkeeping: no llama.cpp call here (the scheduler moves the bytes through 
 from __future__ import annotations
 
 import collections
+import itertools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +41,11 @@ HEADROOM = 1.25  # a new state's buffer is this much larger than the state, so a
 MAX_SPARES = 2  # buffers of replaced states kept for the next save (a fresh buffer costs page faults)
 PRICE_WINDOW = 8  # prices are the median of this many recent measurements (one slowed by a neighbour is not the price)
 PREFILL_PRICE_ROWS = 256  # a step with fewer prompt rows costs about its weight reads, not its tokens: no price
+BLOCK = 16  # tokens hashed together in the index (at most min_tokens: a restore needs that many shared)
+CANDIDATES = 16  # states compared token by token at the deepest shared block: within a block of the longest
 StateBuffer = np.ndarray  # one-dimensional, uint8: what a saved state is written into
+Key = tuple[int, ...]  # a stored state's tokens
+Node = tuple[int, int]  # (full blocks, chained hash of them): a prefix in the index; (0, 0) is the empty one
 
 
 @dataclass(frozen=True)
@@ -112,7 +124,11 @@ class PromptCache:
 
     def __init__(self, limit_bytes: int, min_tokens: int = MIN_TOKENS) -> None:
         self.limit_bytes, self.min_tokens = limit_bytes, min_tokens
-        self._entries: collections.OrderedDict[tuple[int, ...], CachedPrompt] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[Key, CachedPrompt] = collections.OrderedDict()
+        self._block = max(1, min(min_tokens, BLOCK))
+        self._nodes: dict[Key, list[Node]] = {}  # each state's prefixes in the index, by its key
+        self._sharing: dict[Node, dict[Key, None]] = {}  # a prefix -> the states that open with it, in order
+        self._ending: dict[Node, dict[Key, None]] = {}  # a prefix -> the states whose last full block it is
         self._bytes = self._tokens = 0
         self._spares: list[StateBuffer] = []
         self.prices = PromptPrices()
@@ -125,7 +141,8 @@ class PromptCache:
         if self.limit_bytes <= 0 or len(tokens) < self.min_tokens:
             return False
         key = tuple(tokens)
-        covered = max((common_prefix(t, key) for t in self._entries), default=0)
+        longest = self._longest(key)
+        covered = longest[1] if longest is not None else 0
         if covered == len(key):
             return False
         if self.prices.skip_pays(len(key), len(key) - covered):
@@ -155,7 +172,8 @@ class PromptCache:
         entry = CachedPrompt(tuple(tokens), state)
         if entry.nbytes > self.limit_bytes or not entry.tokens:
             return False
-        for key in [k for k in self._entries if len(k) <= len(entry.tokens) and entry.tokens[:len(k)] == k]:
+        nodes = self._path(entry.tokens)
+        for key in self._prefixes(entry.tokens, nodes):
             self._keep_spare(self._drop(key))
         while self._bytes + self._spare_bytes + entry.nbytes > self.limit_bytes:
             if self._spares:
@@ -164,21 +182,21 @@ class PromptCache:
                 self._drop(next(iter(self._entries)))
                 self.evictions += 1
         self._entries[entry.tokens] = entry
+        self._nodes[entry.tokens] = nodes
+        for node in nodes:
+            self._sharing.setdefault(node, {})[entry.tokens] = None
+        self._ending.setdefault(nodes[-1], {})[entry.tokens] = None
         self._bytes += entry.nbytes
         self._tokens += len(entry.tokens)
         self.saves += 1
         return True
 
     def best(self, prompt: Sequence[int]) -> tuple[CachedPrompt, int] | None:
-        """The stored state sharing the longest prefix with `prompt`, and that length (None when none shares
-        any). Does not count a hit: the scheduler decides whether restoring it beats what the slots hold."""
-        found: tuple[CachedPrompt, int] | None = None
-        key = tuple(prompt)
-        for entry in self._entries.values():
-            shared = common_prefix(entry.tokens, key)
-            if shared > 0 and (found is None or shared > found[1]):
-                found = (entry, shared)
-        return found
+        """The stored state sharing the longest prefix with `prompt` (to within a block: see `_longest`), and
+        that length; None when none shares any. Does not count a hit: the scheduler decides whether restoring
+        it beats what the slots hold."""
+        found = self._longest(tuple(prompt))
+        return (self._entries[found[0]], found[1]) if found is not None else None
 
     def restored(self, entry: CachedPrompt, used_tokens: int) -> None:
         """Note that `entry` was restored into a slot, saving `used_tokens` of prefill: it is now most recent."""
@@ -196,6 +214,9 @@ class PromptCache:
         """Forget every state (the context they came from is gone), the spare buffers and the prices (a new
         context has its own); the counters stay."""
         self._entries.clear()
+        self._nodes.clear()
+        self._sharing.clear()
+        self._ending.clear()
         self._spares.clear()
         self.prices = PromptPrices()
         self._bytes = self._tokens = 0
@@ -215,11 +236,56 @@ class PromptCache:
         self._spares.append(buffer)
         del self._spares[:-MAX_SPARES]
 
-    def _drop(self, key: tuple[int, ...]) -> StateBuffer:
+    def _drop(self, key: Key) -> StateBuffer:
         entry = self._entries.pop(key)
+        nodes = self._nodes.pop(key)
+        for node in nodes:
+            _unlist(self._sharing, node, key)
+        _unlist(self._ending, nodes[-1], key)
         self._bytes -= entry.nbytes
         self._tokens -= len(key)
         return entry.buffer
+
+    def _path(self, tokens: Key) -> list[Node]:
+        """The index's prefixes of `tokens`: the empty one, then one per full block, each block's hash chained
+        to the ones before it (equal prefixes, equal nodes; a collision is caught by the token comparison that
+        follows every lookup)."""
+        nodes: list[Node] = [(0, 0)]
+        chained, block = 0, self._block
+        for depth, start in enumerate(range(0, len(tokens) - block + 1, block), start=1):
+            chained = hash((chained, tokens[start:start + block]))
+            nodes.append((depth, chained))
+        return nodes
+
+    def _longest(self, key: Key) -> tuple[Key, int] | None:
+        """The stored state sharing the longest prefix with `key`, and its length: of the states under the
+        deepest block any of them shares with `key` (all within a block of each other), the CANDIDATES most
+        recently stored, compared token by token."""
+        deepest: dict[Key, None] = {}
+        for node in self._path(key):
+            sharing = self._sharing.get(node)
+            if not sharing:
+                break
+            deepest = sharing
+        found: tuple[Key, int] | None = None
+        for stored in itertools.islice(reversed(deepest), CANDIDATES):
+            shared = common_prefix(stored, key)
+            if shared > 0 and (found is None or shared > found[1]):
+                found = (stored, shared)
+        return found
+
+    def _prefixes(self, tokens: Key, nodes: list[Node]) -> list[Key]:
+        """The stored states that are prefixes of `tokens` (itself included): each ends past one of its
+        nodes, so only the states ending there are compared."""
+        return [key for node in nodes for key in self._ending.get(node, ())
+                if len(key) <= len(tokens) and tokens[:len(key)] == key]
+
+
+def _unlist(table: dict[Node, dict[Key, None]], node: Node, key: Key) -> None:
+    listed = table[node]
+    del listed[key]
+    if not listed:
+        del table[node]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

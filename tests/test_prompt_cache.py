@@ -108,3 +108,53 @@ def test_a_save_is_skipped_only_where_prefilling_what_it_adds_costs_less_than_th
     assert cache.worth_saving(list(range(1000, 1110))), "nothing stored covers it: 110 ms of prefill"
     cache.clear()
     assert cache.prices.save_s_per_token is None, "a new context is priced anew"
+
+
+def test_the_index_finds_what_a_scan_of_every_state_would_through_puts_drops_and_evictions() -> None:
+    """Random conversations (shared openings, turns that extend earlier states), a limit that evicts, restores
+    and discards: after every operation the index's answer is a scan's (fewer states than CANDIDATES, so
+    exact), and it lists exactly the states held, so a dropped state is never offered."""
+    from serving.prompt_cache import CANDIDATES
+
+    rng = random.Random(11)
+    cache = PromptCache(limit_bytes=12 * 40, min_tokens=4)  # blocks of 4 tokens; 12 states of 40 bytes
+    opening = [1, 2, 3, 4, 5, 6]
+    histories: list[list[int]] = []
+    for step in range(400):
+        action = rng.random()
+        if action < 0.5 or not histories:
+            tokens = opening[:rng.randrange(len(opening) + 1)] + [rng.randrange(7, 12) for _ in range(rng.randrange(1, 9))]
+            histories.append(tokens)
+        else:
+            tokens = rng.choice(histories)
+            tokens += [rng.randrange(7, 12) for _ in range(rng.randrange(1, 6))]  # the next turn
+        cache.put(tokens, state(b"s" * 40))
+        prompt = rng.choice(histories)[:rng.randrange(1, 40)] + [99]
+        scan = max((common_prefix(k, tuple(prompt)) for k in cache._entries), default=0)
+        found = cache.best(prompt)
+        assert (found[1] if found else 0) == scan, f"step {step}"
+        assert found is None or found[0].tokens in cache._entries
+        if found is not None and rng.random() < 0.2:
+            (cache.discard if rng.random() < 0.3 else lambda e: cache.restored(e, 1))(found[0])
+        listed = {k for keys in cache._sharing.values() for k in keys}
+        assert listed == set(cache._entries) and len(cache._entries) < CANDIDATES
+    assert cache.stats().evictions > 0
+    cache.clear()
+    assert cache.best([1, 2, 3, 4, 5]) is None and not cache._sharing and not cache._ending
+
+
+def test_a_lookup_among_many_states_with_one_opening_compares_only_the_deepest() -> None:
+    """Hundreds of states opening with the same long system prompt: a returning prompt gets its own state
+    (the deepest shared block), a new one a state sharing the opening, and a state a stored one extends is
+    not saved again."""
+    cache = PromptCache(limit_bytes=1 << 20, min_tokens=64)
+    system = list(range(100, 300))  # 200 tokens every prompt opens with
+    rng = random.Random(5)
+    states = [system + [rng.randrange(1000, 9000) for _ in range(60)] for _ in range(300)]
+    for tokens in states:
+        cache.put(tokens, state(b"s"))
+    found = cache.best(states[42] + [5, 6, 7])
+    assert found is not None and found[0].tokens == tuple(states[42]) and found[1] == 260
+    other = cache.best(system + [1, 2, 3])
+    assert other is not None and other[1] == 200
+    assert not cache.worth_saving(states[7][:230]), "a stored state extends it"
