@@ -123,7 +123,8 @@ def test_the_index_finds_what_a_scan_of_every_state_would_through_puts_drops_and
     for step in range(400):
         action = rng.random()
         if action < 0.5 or not histories:
-            tokens = opening[:rng.randrange(len(opening) + 1)] + [rng.randrange(7, 12) for _ in range(rng.randrange(1, 9))]
+            tail = [rng.randrange(7, 12) for _ in range(rng.randrange(1, 9))]
+            tokens = opening[:rng.randrange(len(opening) + 1)] + tail
             histories.append(tokens)
         else:
             tokens = rng.choice(histories)
