@@ -7,7 +7,8 @@
 #      decode, interleaved rounds; n_threads=4 keeps both engines' CPU threads under the cores (libgomp slows
 #      both once its teams outnumber them: the script's help);
 #   2. the embedded model (SMOL) through the thinnest HTTP path, each layout as its own app under Serve's
-#      direct ingress, against the engine in process: the engine's own TTFT beside the client's.
+#      direct ingress, against the engine in process: the engine's own TTFT beside the client's (a client process
+#      per stream, bench_http_path.py --clients processes).
 # PAUSE_MS: idle time before each round (default 0), so each engine's idle saves finish before the next round.
 # OUT/progress.log says where it is; OUT/done holds "rc=N". Start it with setsid and poll in calls that follow
 # at once: a lent machine left idle for ~30 s goes back with everything on it.
@@ -32,7 +33,7 @@ if [ -f "$SMOL" ]; then
   say "embedded model through the thinnest path, both layouts"
   python3 scripts/bench_http_path.py --engine model="$SMOL" --engine n_parallel=4 --engine n_ctx=4096 \
     --direct direct-engine:ingress=engine --direct direct-unified:ingress=engine,kv_unified=true \
-    --max-tokens 64 --repeats "${REPEATS:-8}" --probe 50 --pause-ms "${PAUSE_MS:-0}" \
+    --max-tokens 64 --repeats "${REPEATS:-8}" --probe 50 --pause-ms "${PAUSE_MS:-0}" --clients processes \
     --json-out "$OUT/kv_layout_http_$GPU.json" > "$OUT/kv_layout_http.txt" 2>&1 || RC=$?
   say "embedded rc=$RC"
   ray stop --force > /dev/null 2>&1
