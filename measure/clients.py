@@ -12,6 +12,7 @@ the records compare with the in-process target's and with each other).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 from multiprocessing.connection import Connection
 from typing import Any
@@ -64,7 +65,9 @@ class ProcessClients:
         try:
             conn.send((prompt, max_tokens, ignore_eos))
             result = await asyncio.to_thread(conn.recv)
-        finally:
+        except (EOFError, OSError) as exc:  # the client process died: it takes no more streams
+            raise StreamError(f"{self.name}: a client process exited mid-stream ({type(exc).__name__})") from exc
+        else:
             self._idle.put_nowait(conn)
         if isinstance(result, BaseException):
             raise result
@@ -78,7 +81,8 @@ class ProcessClients:
 
     async def aclose(self) -> None:
         while not self._idle.empty():
-            self._idle.get_nowait().send(None)
+            with contextlib.suppress(OSError):
+                self._idle.get_nowait().send(None)
         for process in self._processes:
             await asyncio.to_thread(process.join, 10.0)
             if process.is_alive():

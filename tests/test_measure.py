@@ -406,3 +406,40 @@ def test_process_clients_run_streams_at_once_each_timed_in_its_own_process() -> 
     for record in records:
         assert before <= record.t_start < record.t_sent < record.output_times[0] <= record.t_end <= after
         assert record.text == "Hi" and record.finish_reason == "length"
+
+
+def test_a_client_process_that_dies_mid_stream_fails_its_round_clearly() -> None:
+    """The server never answers; the one client process is killed while it waits: the round gets a StreamError
+    naming what happened, not a bare EOFError from the pipe, and closing the clients does not hang."""
+    import asyncio
+
+    from measure.clients import ProcessClients
+    from measure.workload import Prompt
+
+    models = b'{"data": [{"id": "fake-model"}]}'
+    listing = (f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(models)}\r\n\r\n"
+               ).encode() + models
+
+    async def run() -> None:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET"):
+                writer.write(listing)
+                await writer.drain()
+            await asyncio.sleep(60)  # the completion is never answered
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        clients = ProcessClients("fake", f"http://127.0.0.1:{port}/v1", workers=1)
+        try:
+            await clients.start()
+            stream = asyncio.ensure_future(clients.run_stream(Prompt("Hello", chat=False), 1, True))
+            await asyncio.sleep(0.5)
+            clients._processes[0].kill()
+            with pytest.raises(StreamError, match="exited mid-stream"):
+                await asyncio.wait_for(stream, 30)
+        finally:
+            await asyncio.wait_for(clients.aclose(), 30)
+            server.close()
+
+    asyncio.run(run())
