@@ -182,6 +182,16 @@ def test_a_round_carries_the_engines_own_ttft_from_either_servers_timings() -> N
     assert RoundFigures.of([one, StreamFigures(0.1, 10.0, 8, 5, 0, ())], 1.0, 2).engine_ttft_ms is None
 
 
+def http_reply(body: str | bytes, status: str = "200 OK", content_type: str = "text/event-stream") -> bytes:
+    """A whole HTTP/1.1 response, as the fake servers below write it."""
+    data = body.encode() if isinstance(body, str) else body
+    return (f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(data)}\r\n\r\n"
+            ).encode() + data
+
+
+MODELS = http_reply(b'{"data": [{"id": "fake-model"}]}', content_type="application/json")  # GET /models
+
+
 def test_an_http_target_times_when_its_request_left() -> None:
     """The client's own share of TTFT: HttpTarget stamps the moment the request's last byte was written
     (httpcore's trace), between its start and its first token."""
@@ -193,8 +203,7 @@ def test_an_http_target_times_when_its_request_left() -> None:
 
     events = ('data: {"choices": [{"index": 0, "text": "Hi", "finish_reason": null}]}\n\n'
               'data: {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}]}\n\ndata: [DONE]\n\n')
-    reply = (f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {len(events)}\r\n\r\n"
-             f"{events}").encode()
+    reply = http_reply(events)
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -350,14 +359,9 @@ def test_process_clients_run_streams_at_once_each_timed_in_its_own_process() -> 
 
     events = ('data: {"choices": [{"index": 0, "text": "Hi", "finish_reason": "length"}]}\n\n'
               'data: [DONE]\n\n')
-    ok = (f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {len(events)}\r\n\r\n"
-          f"{events}").encode()
-    models = b'{"data": [{"id": "fake-model"}]}'
-    listing = (f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(models)}\r\n\r\n"
-               ).encode() + models
-    error = b'{"error": {"message": "no", "type": "invalid_request_error"}}'
-    refused = (f"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {len(error)}\r\n\r\n"
-               ).encode() + error
+    ok = http_reply(events)
+    refused = http_reply(b'{"error": {"message": "no", "type": "invalid_request_error"}}', "400 Bad Request",
+                         "application/json")
 
     async def run() -> tuple[list[StreamRecord], float, float, str]:
         arrived: list[asyncio.Event] = []
@@ -373,7 +377,7 @@ def test_process_clients_run_streams_at_once_each_timed_in_its_own_process() -> 
                                if line.lower().startswith(b"content-length")), 0)
                 body = await reader.readexactly(length)
                 if head.startswith(b"GET"):
-                    writer.write(listing)
+                    writer.write(MODELS)
                 elif b"refuse me" in body:
                     writer.write(refused)
                 else:
@@ -416,15 +420,11 @@ def test_a_client_process_that_dies_mid_stream_fails_its_round_clearly() -> None
     from measure.clients import ProcessClients
     from measure.workload import Prompt
 
-    models = b'{"data": [{"id": "fake-model"}]}'
-    listing = (f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(models)}\r\n\r\n"
-               ).encode() + models
-
     async def run() -> None:
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             head = await reader.readuntil(b"\r\n\r\n")
             if head.startswith(b"GET"):
-                writer.write(listing)
+                writer.write(MODELS)
                 await writer.drain()
             await asyncio.sleep(60)  # the completion is never answered
 
