@@ -45,6 +45,7 @@ class StreamRecord:
     finish_reason: str | None = None
     fingerprint: str | None = None
     engine_ttft_ms: float | None = None  # the engine's own time to first token, when it reported one
+    request_id: str | None = None  # the X-Request-ID it was sent with (HTTP targets), as a server logs it
     parts: list[str] = field(default_factory=list)  # the text, as it came
 
     @property

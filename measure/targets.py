@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import urllib.parse
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from pathlib import Path
@@ -177,13 +178,15 @@ class HttpTarget:
     async def run_stream(self, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> StreamRecord:
         """POST one streaming request and timestamp every SSE event as it arrives."""
         path, body = self._body(prompt, max_tokens, ignore_eos)
-        record = StreamRecord(t_start=time.perf_counter())
+        rid = uuid.uuid4().hex  # the server's logs and stamps (serving/http.py) name the request by it
+        record = StreamRecord(t_start=time.perf_counter(), request_id=rid)
 
         async def sent(event: str, _: dict[str, Any]) -> None:  # httpcore's trace of this request
             if event.endswith("send_request_body.complete"):
                 record.t_sent = time.perf_counter()
 
-        async with self._client.stream("POST", self.base_url + path, json=body, extensions={"trace": sent}) as resp:
+        async with self._client.stream("POST", self.base_url + path, json=body, extensions={"trace": sent},
+                                       headers={"X-Request-ID": rid}) as resp:
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode(errors="replace")[:500]
                 raise StreamError(f"{self.name}: HTTP {resp.status_code} from {path}: {detail}")

@@ -26,6 +26,11 @@ milliseconds after the first and that counts in its TTFT; `--clients processes` 
 process of its own (measure/clients.py), as separate programs would, and `--clients both` measures each server
 both ways in the same rounds (the second named NAME+procs).
 
+`--server-trace` has our apps stamp each request as it reaches the app, is handed to the engine and has its first
+bytes written ($LLAMA_SERVE_TUNE_HTTP_TRACE, serving/http.py), and splits each traced stream's TTFT (`--trace`) into
+the client's send, the way in to the app (the HTTP server and Serve), the app's own work, the engine's TTFT, the
+way out to the first write and to the client: on one host every process reads one monotonic clock.
+
 In process, a stream's output is its text, as our server's stream shows it: a token that renders as nothing
 (a special token, half a UTF-8 character) gets no SSE event, so a client sees it with the next text, and the
 in-process targets count it there too (measure/targets.py, EngineTarget `text_only`).
@@ -42,7 +47,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -57,12 +62,13 @@ from measure.clients import ProcessClients  # noqa: E402
 from measure.cluster import ClusterApp, LocalCluster, direct_ingress_settings, direct_url  # noqa: E402
 from measure.device import Gpu  # noqa: E402
 from measure.metrics import (  # noqa: E402
-    PairedGap, RoundFigures, StreamFigures, paired_gap, paired_ratios, ratios, stream_figures,
+    PairedGap, RoundFigures, StreamRecord, paired_gap, paired_ratios, ratios, stream_figures,
 )
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import HttpTarget, free_loopback_port, loaded_engine  # noqa: E402
 from measure.workload import Prompt, Runner, Target, Workload  # noqa: E402
 from serving.config import load_engine_config  # noqa: E402
+from serving.http import TRACE_ENV  # noqa: E402
 
 IN_PROCESS = "in-process"
 PROCS = "+procs"  # the suffix of a server's target whose streams come from client processes (--clients both)
@@ -131,6 +137,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     defaults = REPO_ROOT / "configs" / "default.yaml"
     config = load_engine_config(defaults, overrides)
     port = serve_app.start_serve(0, None) if args.variant else 0
+    stamps_dir = Path(tempfile.mkdtemp(prefix="stamps-")) if args.server_trace else None
+    traced_env = {TRACE_ENV: str(stamps_dir)} if stamps_dir else {}
     try:
         async with contextlib.AsyncExitStack() as stack:
             # in process, output is text, as our server's stream shows it (EngineTarget._read)
@@ -140,12 +148,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 targets.append(stack.enter_context(loaded_engine(local, v.name, text_only=True)))
             servers = list(args.server)
             for v in args.direct:
+                v = replace(v, env={**v.env, **traced_env})
                 servers.append((v.name, stack.enter_context(direct_app(v, overrides, args.load_timeout))))
             for name, url in servers:
                 targets += await http_targets(stack, name, url, args.clients, max(args.levels, default=1))
             for v in args.variant:
                 targets.append(await stack.enter_async_context(serve_app.deployed(
-                    port, {**overrides, **v.args}, args.load_timeout, 300.0, name=v.name, env=v.env)))
+                    port, {**overrides, **v.args}, args.load_timeout, 300.0, name=v.name, env={**v.env, **traced_env})))
             workload = Workload(gen_tokens=args.max_tokens, levels=args.levels, repeats=args.repeats)
             runner = Runner(workload, pause_s=args.pause_ms / 1000)
             results = await runner.levels(targets, lambda name, level, rep, f: print(
@@ -155,6 +164,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if args.variant:
             serve_app.stop_serve()
+    stamps = load_stamps(stamps_dir) if stamps_dir else {}
     reference = results[IN_PROCESS]
     return {"provenance": provenance(), "engine_config": config.to_yaml_dict(),
             "variants": {v.name: {"args": v.args, "env": v.env} for v in args.variant},
@@ -172,7 +182,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "ttft_gap_ms": ttft_gaps({name: {n: level.rounds for n, level in levels.items()}
                                       for name, levels in results.items()}),
             "probe_ttft_ms": probe,
-            "trace": {name: [[asdict(stream) for stream in streams] for streams in rounds]
+            "server_trace": args.server_trace,
+            "trace": {name: [[asdict(stream) for stream in traced_round(records, stamps)] for records in rounds]
                       for name, rounds in trace.items()}}
 
 
@@ -211,29 +222,54 @@ async def first_token_probe(targets: Sequence[Target], rounds: int) -> dict[str,
 class StreamTrace:
     """One stream of a traced round, ms from the round's start: when it started and when its request had left
     the client (HTTP), its TTFT, and the engine's own TTFT; TTFT minus that is what the path held it (in
-    before the engine's intake, and out after its first token)."""
+    before the engine's intake, and out after its first token). With --server-trace, our app's stamps too:
+    when the request reached the app, was handed to the engine, and had its first body bytes written."""
 
     start_ms: float
     sent_ms: float | None
     ttft_ms: float
     engine_ttft_ms: float | None
+    received_ms: float | None = None
+    submitted_ms: float | None = None
+    first_body_ms: float | None = None
 
 
-async def stream_trace(runner: Runner, targets: Sequence[Target], rounds: int) -> dict[str, list[list[StreamTrace]]]:
+async def stream_trace(runner: Runner, targets: Sequence[Target], rounds: int) -> dict[str, list[list[StreamRecord]]]:
     """`rounds` more rounds of the largest level per target, each stream as it went: which of a round's
     requests reached the engine late, and which step each joined, shows here, not in a round's means."""
-    traces: dict[str, list[list[StreamTrace]]] = {t.name: [] for t in targets}
+    traces: dict[str, list[list[StreamRecord]]] = {t.name: [] for t in targets}
     for _ in range(rounds):
         for target in targets:
             _, records = await runner.run_round(target, runner.workload.concurrency)
-            t0 = min(r.t_start for r in records)
-            traces[target.name].append([_traced(r.t_start - t0, stream_figures(r)) for r in records])
+            traces[target.name].append(records)
     return traces
 
 
-def _traced(start_s: float, f: StreamFigures) -> StreamTrace:
-    return StreamTrace(start_s * 1e3, None if f.send_s is None else (start_s + f.send_s) * 1e3, f.ttft_s * 1e3,
-                       None if f.engine_ttft_s is None else f.engine_ttft_s * 1e3)
+def load_stamps(directory: Path) -> dict[str, dict[str, Any]]:
+    """The apps' request stamps (serving/http.py StampLog), by request id."""
+    stamps: dict[str, dict[str, Any]] = {}
+    for path in sorted(directory.glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            entry = json.loads(line)
+            stamps[entry["request_id"]] = entry
+    return stamps
+
+
+def traced_round(records: Sequence[StreamRecord], stamps: dict[str, dict[str, Any]]) -> list[StreamTrace]:
+    """A round's streams on its own clock (ms from its first start), with the server's stamps where it left some."""
+    t0 = min(r.t_start for r in records)
+
+    def ms(t: float | None) -> float | None:
+        return None if t is None else (t - t0) * 1e3
+
+    traced = []
+    for r in records:
+        f = stream_figures(r)
+        s = stamps.get(r.request_id or "", {})
+        traced.append(StreamTrace(ms(r.t_start) or 0.0, None if f.send_s is None else ms(r.t_start + f.send_s),
+                                  f.ttft_s * 1e3, None if f.engine_ttft_s is None else f.engine_ttft_s * 1e3,
+                                  ms(s.get("received")), ms(s.get("submitted")), ms(s.get("first_body"))))
+    return traced
 
 
 def trace_table(trace: dict[str, list[list[dict[str, Any]]]]) -> str:
@@ -248,6 +284,39 @@ def trace_table(trace: dict[str, list[list[dict[str, Any]]]]) -> str:
 def _trace_cell(stream: dict[str, Any]) -> str:
     ttft, own = stream["ttft_ms"], stream["engine_ttft_ms"]
     return f"{ttft:.0f} (-)" if own is None else f"{ttft:.0f} ({own:.0f}; {ttft - own:.0f})"
+
+
+PARTS = ("send", "to the app", "in the app", "engine", "to the write", "to the client")
+
+
+def ttft_parts(stream: dict[str, Any]) -> tuple[float, ...] | None:
+    """A stream's TTFT in PARTS (ms, summing to it): the client's send; on to our app (the HTTP server, Serve);
+    the app's own work until the engine took it; the engine's TTFT (its queue included); from the first token
+    to its bytes' write; on to the client. None without every stamp."""
+    start, sent, ttft, own = stream["start_ms"], stream["sent_ms"], stream["ttft_ms"], stream["engine_ttft_ms"]
+    received, submitted, first = stream.get("received_ms"), stream.get("submitted_ms"), stream.get("first_body_ms")
+    if sent is None or own is None or received is None or submitted is None or first is None:
+        return None
+    return (sent - start, received - sent, submitted - received, own, first - submitted - own, start + ttft - first)
+
+
+def parts_table(trace: dict[str, list[list[dict[str, Any]]]]) -> str:
+    """Where the traced streams' TTFT went, median ms per part, by the order in which a round's requests
+    reached the app (1 = first): the late ones' extra time shows in the part that holds it."""
+    lines = ["| target | reached the app | streams | " + " | ".join(PARTS) + " | TTFT |",
+             "| --- | ---: | ---: |" + " ---: |" * (len(PARTS) + 1)]
+    for name, rounds in trace.items():
+        by_order: dict[int, list[tuple[float, ...]]] = {}
+        for streams in rounds:
+            timed = sorted((s for s in streams if ttft_parts(s) is not None), key=lambda s: s["received_ms"])
+            for order, stream in enumerate(timed, 1):
+                parts = ttft_parts(stream)
+                assert parts is not None
+                by_order.setdefault(order, []).append((*parts, stream["ttft_ms"]))
+        for order, rows in sorted(by_order.items()):
+            medians = (statistics.median(column) for column in zip(*rows, strict=True))
+            lines.append(f"| {name} | {order} | {len(rows)} | " + " | ".join(f"{m:.1f}" for m in medians) + " |")
+    return "\n".join(lines)
 
 
 def probe_table(probe: dict[str, list[float]]) -> str:
@@ -313,6 +382,17 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def print_tables(report: dict[str, Any]) -> None:
+    print(table(report))
+    if report.get("probe_ttft_ms"):
+        print(probe_table(report["probe_ttft_ms"]))
+    trace = report.get("trace")
+    if trace:
+        print(trace_table(trace))
+        if any(ttft_parts(s) is not None for rounds in trace.values() for streams in rounds for s in streams):
+            print(parts_table(trace))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", type=Variant.parse, action="append", default=[],
@@ -334,6 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--probe", type=int, default=0, metavar="N",
                    help="also N one-token requests of a few-token prompt per target, one at a time: the TTFT the "
                         "path adds where no prefill hides it (default 0: none)")
+    p.add_argument("--server-trace", action="store_true",
+                   help="our apps (--direct, --variant) stamp each request (serving/http.py); the traced rounds "
+                        "(--trace) then show where each stream's TTFT went, part by part")
     p.add_argument("--trace", type=int, default=0, metavar="N",
                    help="also N rounds of the largest level per target, each stream's TTFT and the engine's own "
                         "printed (default 0: none)")
@@ -357,21 +440,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(set(names)) < len(names):
         p.error(f"every target needs a name of its own: {', '.join(names)}")
     if args.from_json:
-        saved = with_paired_ratios(json.loads(args.from_json.read_text()))
-        print(table(saved))
-        if saved.get("probe_ttft_ms"):
-            print(probe_table(saved["probe_ttft_ms"]))
-        if saved.get("trace"):
-            print(trace_table(saved["trace"]))
+        print_tables(with_paired_ratios(json.loads(args.from_json.read_text())))
         return 0
     if not args.variant and not args.server and not args.direct and not args.local:
         p.error("give at least one --variant, --direct, --server or --local")
+    if args.server_trace and not args.trace:
+        p.error("--server-trace splits the traced rounds' TTFT: give --trace N too")
     report = asyncio.run(run(args))
-    print(table(report))
-    if report["probe_ttft_ms"]:
-        print(probe_table(report["probe_ttft_ms"]))
-    if report["trace"]:
-        print(trace_table(report["trace"]))
+    print_tables(report)
     if args.json_out:
         write_report(args.json_out, report)
     return 0

@@ -3,6 +3,8 @@
 
 The body limit, the API key (Bearer or llama-server's X-Api-Key, compared in constant time), the request id,
 OpenAI's error JSON, CORS for browsers, the catch-all 500 that names the request id, and the SSE `[DONE]`.
+With $LLAMA_SERVE_TUNE_HTTP_TRACE set to a directory, each request's stamps (reached the app, handed to the
+engine, first body bytes written, done) go there as JSON lines: where a first token's time goes on the server.
 Routes live in serving/openai.py; grammars in serving/structured.py.
 """
 
@@ -12,8 +14,11 @@ import hashlib
 import hmac
 import json
 import logging
+import os
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -31,6 +36,8 @@ MAX_BODY_BYTES = 16 * 1024 * 1024  # far more than any slot's context as JSON; a
 PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 REQUEST_ID_HEADER = "x-request-id"  # set by Serve's proxy on every request, echoed to the client
 DONE = "data: [DONE]\n\n"  # the last event of every stream
+TRACE_ENV = "LLAMA_SERVE_TUNE_HTTP_TRACE"  # a directory: every request's stamps, as JSON lines (StampLog)
+STAMPS_KEY = "llama_serve_tune.stamps"  # where a traced request's RequestStamps ride in its ASGI scope
 
 
 class SafeJSONResponse(JSONResponse):
@@ -97,6 +104,45 @@ def refusal_of(scope: Scope, key: str | None) -> APIError | None:
     return None
 
 
+@dataclass
+class RequestStamps:
+    """When one request met each stage in this process, in time.perf_counter() seconds: CLOCK_MONOTONIC on
+    Linux, one clock for every process of a host, so a client on the same machine can set its own stamps
+    beside these (scripts/bench_http_path.py --server-trace) and see what came before the app and after it."""
+
+    received: float  # the app's front door first saw it (after the HTTP server and Serve)
+    submitted: float | None = None  # the route handed it to the engine (template and tokens done)
+    first_body: float | None = None  # the first bytes of its body went to the HTTP server
+    finished: float | None = None
+
+
+def mark_submitted(scope: Scope) -> None:
+    """Stamp a traced request as handed to the engine (nothing when the app is not tracing)."""
+    stamps = scope.get(STAMPS_KEY)
+    if isinstance(stamps, RequestStamps):
+        stamps.submitted = time.perf_counter()
+
+
+class StampLog:
+    """Each traced request's stamps as one JSON line in DIR/<pid>.jsonl, written when it is done: a
+    diagnostic, off unless $LLAMA_SERVE_TUNE_HTTP_TRACE names a directory (each write opens the file: a
+    few tens of microseconds a request, nothing held between them)."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"{os.getpid()}.jsonl"
+
+    @classmethod
+    def from_env(cls) -> StampLog | None:
+        directory = os.environ.get(TRACE_ENV)
+        return cls(Path(directory)) if directory else None
+
+    def write(self, rid: str, path: str, stamps: RequestStamps) -> None:
+        line = json.dumps({"request_id": rid, "path": path, **asdict(stamps)})
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
 @dataclass(frozen=True)
 class HttpRules:
     """What the app's front door enforces, fixed when the app is built (ServerOptions' api_key and
@@ -107,7 +153,7 @@ class HttpRules:
 
     def around(self, app: ASGIApp) -> ASGIApp:
         """`app` behind these rules: CORS outermost (a browser's preflight needs no key), then the guard."""
-        guarded = GuardMiddleware(app, key=self.api_key)
+        guarded = GuardMiddleware(app, key=self.api_key, stamps=StampLog.from_env())
         if not self.cors_origins:
             return guarded
         return CORSMiddleware(guarded, allow_origins=list(self.cors_origins), allow_methods=["*"],
@@ -125,19 +171,32 @@ class GuardMiddleware:
        unauthenticated client learns nothing about what a valid request looks like.
     """
 
-    def __init__(self, app: ASGIApp, key: str | None = None) -> None:
-        self.app, self.key = app, key
+    def __init__(self, app: ASGIApp, key: str | None = None, stamps: StampLog | None = None) -> None:
+        self.app, self.key, self.stamps = app, key, stamps
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.stamps is None:
+            await self._guarded(scope, receive, send, None)
+            return
+        stamps = scope[STAMPS_KEY] = RequestStamps(time.perf_counter())
+        try:
+            await self._guarded(scope, receive, send, stamps)
+        finally:
+            stamps.finished = time.perf_counter()
+            self.stamps.write(request_id(Headers(scope=scope)), route_path(scope), stamps)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send, stamps: RequestStamps | None) -> None:
         started = False
         received = 0
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
+            if stamps is not None and stamps.first_body is None and message.get("body"):
+                stamps.first_body = time.perf_counter()
             await send(message)
 
         async def limited_receive() -> Message:

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from serving.api import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorBody, NamedToolChoice,
@@ -34,8 +35,7 @@ from serving.reasoning import ReasoningFormat
 from serving.request import (Constraint, FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage, paced,
                              unpaced)
 from serving.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
-from serving.http import (DONE, GuardMiddleware, error_response, request_id,
-                          responses_error)
+from serving.http import DONE, GuardMiddleware, error_response, mark_submitted, request_id, responses_error
 from serving.structured import GrammarError, constraint_of, tool_call_guide
 from serving.tools import CallMode, messages_for_plain_template
 from serving.traffic import TrafficTag
@@ -254,7 +254,8 @@ class OpenAIRoutes:
         kwargs = body.chat_template_kwargs or {}
         prompt, tokens = await _prepare(request, lambda: _rendered(engine, messages, plan.tools, kwargs, request))
         params = _params(body, engine, _constraint(body, plan.constraint))
-        handles = self._submit(engine, tokens, params, body.n, param="messages", streamed=body.stream)
+        handles = self._submit(engine, tokens, params, body.n, param="messages", streamed=body.stream,
+                               scope=request.scope)
         reasoning = body.reasoning_format != ReasoningFormat.none
         thinking_open = reasoning and prompt.rstrip().endswith(THINK_START)
         states = [ChoiceState(i, reasoning=reasoning, thinking_open=thinking_open, tools=plan.calls)
@@ -278,7 +279,8 @@ class OpenAIRoutes:
         handles: list[RequestHandle] = []
         try:
             for tokens in tokenized:
-                handles += self._submit(engine, tokens, params, body.n, param="prompt", streamed=body.stream)
+                handles += self._submit(engine, tokens, params, body.n, param="prompt", streamed=body.stream,
+                                        scope=request.scope)
         except BaseException:
             for handle in handles:  # a later prompt was refused: the earlier ones must not run for nobody
                 handle.cancel()
@@ -298,7 +300,8 @@ class OpenAIRoutes:
             _check_request(engine, body)
             messages = body.messages()
             _, tokens = await _prepare(request, lambda: _rendered(engine, messages, None, {}, request))
-            handle = self._submit(engine, tokens, body.sampling_params(), 1, param="input", streamed=body.stream)[0]
+            handle = self._submit(engine, tokens, body.sampling_params(), 1, param="input", streamed=body.stream,
+                                  scope=request.scope)[0]
         answer = ResponsesAnswer(engine.config.served_name, body.model_dump(mode="json"))
         state = ChoiceState(0)
         if body.stream:
@@ -396,10 +399,13 @@ class OpenAIRoutes:
                 yield event
 
     def _submit(self, engine: Engine, tokens: list[int], params: SamplingParams, n: int,
-                param: str, streamed: bool) -> list[RequestHandle]:
-        """Hand one prompt's choices to the engine, tagged as client traffic (its shape is recorded)."""
+                param: str, streamed: bool, scope: Scope) -> list[RequestHandle]:
+        """Hand one prompt's choices to the engine, tagged as client traffic (its shape is recorded); a traced
+        request is stamped (serving/http.py)."""
         try:
-            return engine.submit_choices(tokens, params, n, traffic=TrafficTag(streamed=streamed))
+            handles = engine.submit_choices(tokens, params, n, traffic=TrafficTag(streamed=streamed))
+            mark_submitted(scope)
+            return handles
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded",  # llama-server's numbers:
                            details={"n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx_slot}) from exc

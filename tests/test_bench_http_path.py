@@ -37,13 +37,34 @@ def test_a_saved_run_prints_paired_ratios_and_ttft_gaps_worked_out_from_its_roun
 
 
 def test_a_traced_round_shows_each_streams_ttft_the_engines_own_and_the_paths(bench) -> None:  # noqa: ANN001
-    from measure.metrics import StreamFigures
-
-    http = bench._traced(0.0015, StreamFigures(0.647, 40.0, 16, 50, 0, (), send_s=0.003, engine_ttft_s=0.587))
     from dataclasses import asdict
 
-    assert asdict(http) == pytest.approx(asdict(bench.StreamTrace(1.5, 4.5, 647.0, 587.0)))
-    in_process = bench._traced(0.0, StreamFigures(0.3, 40.0, 16, 50, 0, ()))
+    from measure.metrics import StreamRecord
 
-    text = bench.trace_table({"direct": [[asdict(http), asdict(in_process)]]})
-    assert "| direct | 1 | 647 (587; 60), 300 (-) |" in text
+    http = StreamRecord(t_start=10.0015, t_sent=10.0045, output_times=[10.6485, 10.7], output_tokens=[1, 1],
+                        engine_ttft_ms=587.0, request_id="a")
+    in_process = StreamRecord(t_start=10.0, output_times=[10.3, 10.35], output_tokens=[1, 1])
+    stamps = {"a": {"received": 10.0065, "submitted": 10.0085, "first_body": 10.6475}}
+    traced = bench.traced_round([http, in_process], stamps)
+    assert asdict(traced[0]) == pytest.approx(asdict(bench.StreamTrace(1.5, 4.5, 647.0, 587.0, 6.5, 8.5, 647.5)))
+    assert asdict(traced[1]) == pytest.approx(asdict(bench.StreamTrace(0.0, None, 300.0, None)))
+    assert bench.traced_round([http], {})[0].received_ms is None  # no stamps: a server that left none
+
+    trace = {"direct": [[asdict(t) for t in traced]]}
+    assert "| direct | 1 | 647 (587; 60), 300 (-) |" in bench.trace_table(trace)
+    # send 3, to the app 2, in the app 2, engine 587, to the write 52 (647.5 - 8.5 - 587), to the client 1
+    assert bench.ttft_parts(asdict(traced[0])) == pytest.approx((3.0, 2.0, 2.0, 587.0, 52.0, 1.0))
+    assert sum(bench.ttft_parts(asdict(traced[0]))) == pytest.approx(traced[0].ttft_ms)
+    assert bench.ttft_parts(asdict(traced[1])) is None
+
+
+def test_the_parts_table_ranks_a_rounds_streams_by_when_they_reached_the_app(bench) -> None:  # noqa: ANN001
+    def stream(received: float, ttft: float) -> dict[str, float]:
+        return {"start_ms": 0.0, "sent_ms": 1.0, "ttft_ms": ttft, "engine_ttft_ms": 10.0, "received_ms": received,
+                "submitted_ms": received + 1.0, "first_body_ms": ttft - 0.5}
+
+    rounds = [[stream(9.0, 40.0), stream(2.0, 20.0)], [stream(3.0, 22.0), stream(7.0, 30.0)]]
+    text = bench.parts_table({"direct": rounds})
+    # first to arrive: to the app 1 and 2 ms (median 1.5), TTFT 20 and 22; the later ones: 6 and 8, 30 and 40
+    assert "| direct | 1 | 2 | 1.0 | 1.5 | 1.0 | 10.0 | 7.0 | 0.5 | 21.0 |" in text
+    assert "| direct | 2 | 2 | 1.0 | 7.0 | 1.0 | 10.0 | 15.5 | 0.5 | 35.0 |" in text

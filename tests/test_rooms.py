@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,47 @@ def test_the_front_door_keeps_the_key_cors_and_body_limit_it_was_built_with() ->
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     open_door = TestClient(_front(HttpRules()))  # type: ignore[arg-type]
     assert open_door.post("/v1/completions", content=b"{}").json() == {"bytes": 2}
+
+
+def test_a_traced_front_door_writes_each_requests_stamps_in_order(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With $LLAMA_SERVE_TUNE_HTTP_TRACE set, every request (answered, refused or failed) leaves one JSON line
+    under its request id: reached the app <= handed to the engine <= first body bytes <= done; a route that
+    hands nothing over leaves `submitted` null. A front door built without it writes nothing."""
+    import json
+    import os
+
+    from starlette.responses import StreamingResponse
+    from starlette.testclient import TestClient
+
+    from serving.http import TRACE_ENV, HttpRules, mark_submitted
+
+    async def streamed(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["path"] == "/v1/completions":
+            mark_submitted(scope)
+
+        async def parts():  # type: ignore[no-untyped-def]
+            yield b"data: a\n\n"
+            yield b"data: [DONE]\n\n"
+
+        await StreamingResponse(parts(), media_type="text/event-stream")(scope, receive, send)
+
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    untraced = TestClient(HttpRules().around(streamed))  # type: ignore[arg-type]
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "trace"))  # read when the front door is built, not per request
+    assert untraced.post("/v1/completions", content=b"{}").status_code == 200
+    assert not (tmp_path / "trace").exists()
+    client = TestClient(HttpRules("sekrit").around(streamed))  # type: ignore[arg-type]
+    ok = client.post("/v1/completions", content=b"{}", headers={"Authorization": "Bearer sekrit",
+                                                                 "X-Request-ID": "one"})
+    assert ok.status_code == 200 and ok.text.endswith("[DONE]\n\n")
+    assert client.get("/health", headers={"X-Request-ID": "two"}).status_code == 200
+    assert client.post("/v1/completions", headers={"X-Request-ID": "three"}).status_code == 401
+    lines = (tmp_path / "trace" / f"{os.getpid()}.jsonl").read_text().splitlines()
+    stamps = {s["request_id"]: s for s in map(json.loads, lines)}
+    assert list(stamps) == ["one", "two", "three"]
+    one = stamps["one"]
+    assert one["path"] == "/v1/completions"
+    assert one["received"] <= one["submitted"] <= one["first_body"] <= one["finished"]
+    assert stamps["two"]["submitted"] is None and stamps["two"]["first_body"] is not None
+    assert stamps["three"]["submitted"] is None  # refused at the door: stamped all the same

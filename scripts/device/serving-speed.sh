@@ -11,7 +11,8 @@
 #   3. scripts/bench_http_path.py on the embedded model: TTFT and decode through the server (the relay, and
 #      ingress=engine, through Serve's proxy; and ingress=engine under Serve's direct ingress, the thinnest path)
 #      against the engine in-process, one stream and four, and the first-token probe, with llama-server on the
-#      same model through the same client beside them (a client process per stream: HTTP_CLIENTS);
+#      same model through the same client beside them (a client process per stream: HTTP_CLIENTS), then
+#      HTTP_TRACE (default 6) traced rounds, each stream's TTFT split by our app's stamps (--server-trace);
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
 #      llama-server --cache-ram 8192 and 0, THINK_MS between turns (default 0) (CONVERSATIONS=0 skips it;
 #      CONSTRAINED=0 skips step 2).
@@ -62,8 +63,10 @@ for _ in $(seq 60); do
 done
 # HTTP_CLIENTS (default processes): how the --server and --direct targets' streams are run (bench_http_path.py
 # --clients): a client process per stream, so no stream's TTFT holds another's client time
+TRACE=()
+[ "${HTTP_TRACE:-6}" != 0 ] && TRACE=(--trace "${HTTP_TRACE:-6}" --server-trace)
 python3 scripts/bench_http_path.py "${PATHS[@]}" --server "llama-server=http://127.0.0.1:$LS_PORT/v1" "${HTTP[@]}" \
-  --clients "${HTTP_CLIENTS:-processes}" --json-out "$OUT/bench_http_path_$GPU.json" > "$OUT/http_path.txt" 2>&1
+  --clients "${HTTP_CLIENTS:-processes}" "${TRACE[@]}" --json-out "$OUT/bench_http_path_$GPU.json" > "$OUT/http_path.txt" 2>&1
 say "HTTP path rc=$?"
 kill $LS_PID 2>/dev/null
 ray stop --force > /dev/null 2>&1
