@@ -56,10 +56,14 @@ ROUND_TIMEOUT_S = 900.0
 
 
 class PromptSet(str, Enum):
-    """`plain`: free writing (little to copy). `copy`: edit code or quote a text given in the prompt, the
-    work where prompt lookup (speculation) pays."""
+    """`plain`: free writing (little to copy), as raw completions. `chat`: the same instructions as chat
+    messages (the chat template): an answer opens with text, where a raw completion of an instruction often
+    opens with the end-of-generation token (SmolLM2: three of the first four), which under ignore_eos shows a
+    client nothing until the next step, so a time to first token measures that step too. `copy`: edit code
+    or quote a text given in the prompt, the work where prompt lookup (speculation) pays."""
 
     plain = "plain"
+    chat = "chat"
     copy = "copy"
 
 
@@ -95,8 +99,9 @@ class Prompts:
         return first
 
     def _prompt(self, number: int, stream: int) -> Prompt:
-        if self.prompt_set == PromptSet.plain:
-            return Prompt(f"Request {number}. {PLAIN_PROMPTS[stream % len(PLAIN_PROMPTS)]}", chat=False)
+        if self.prompt_set in (PromptSet.plain, PromptSet.chat):
+            return Prompt(f"Request {number}. {PLAIN_PROMPTS[stream % len(PLAIN_PROMPTS)]}",
+                          chat=self.prompt_set == PromptSet.chat)
         task = COPY_TASKS[stream % len(COPY_TASKS)].format(text=self._source)
         return Prompt(f"Request {number}. {task}", chat=True)
 
@@ -119,11 +124,11 @@ class Workload:
     prompt_set: PromptSet = PromptSet.plain
     min_stream_tok_s: float | None = None  # set: also measure the capacity curve with this floor per stream
     report_copy: bool = False  # also measure the single stream on the copy set (tuning/objective.py)
-    honour_eos: bool = False  # the plain set too stops at EOS (speculation's benchmark: no EOS-less loops)
+    honour_eos: bool = False  # the plain and chat sets too stop at EOS (speculation's benchmark: no EOS-less loops)
 
     @property
     def ignore_eos(self) -> bool:
-        return self.prompt_set == PromptSet.plain and not self.honour_eos
+        return self.prompt_set in (PromptSet.plain, PromptSet.chat) and not self.honour_eos
 
     @property
     def concurrency(self) -> int:

@@ -66,7 +66,7 @@ from measure.metrics import (  # noqa: E402
 )
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import HttpTarget, free_loopback_port, loaded_engine  # noqa: E402
-from measure.workload import Prompt, Runner, Target, Workload  # noqa: E402
+from measure.workload import Prompt, PromptSet, Runner, Target, Workload  # noqa: E402
 from serving.config import load_engine_config  # noqa: E402
 from serving.http import TRACE_ENV  # noqa: E402
 
@@ -155,7 +155,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for v in args.variant:
                 targets.append(await stack.enter_async_context(serve_app.deployed(
                     port, {**overrides, **v.args}, args.load_timeout, 300.0, name=v.name, env={**v.env, **traced_env})))
-            workload = Workload(gen_tokens=args.max_tokens, levels=args.levels, repeats=args.repeats)
+            workload = Workload(gen_tokens=args.max_tokens, levels=args.levels, repeats=args.repeats,
+                                prompt_set=args.prompt_set)
             runner = Runner(workload, pause_s=args.pause_ms / 1000)
             results = await runner.levels(targets, lambda name, level, rep, f: print(
                 f"  {name:<12} c={level} rep {rep}: {f.aggregate_tok_s:.1f} tok/s", file=sys.stderr))
@@ -171,7 +172,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "servers": dict(args.server),
             "direct": {v.name: {"args": v.args, "env": v.env} for v in args.direct},
             "local": {v.name: {"args": v.args} for v in args.local}, "pause_ms": args.pause_ms,
-            "clients": args.clients.value,
+            "clients": args.clients.value, "prompt_set": args.prompt_set.value,
             "results": {name: {str(n): level.as_dict() for n, level in levels.items()}
                         for name, levels in results.items()},
             "ratios": {name: {str(n): ratios(level.median, reference[n].median) for n, level in levels.items()}
@@ -410,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--levels", type=lambda t: () if t == "none" else tuple(int(x) for x in t.split(",")),
                    default=(1, 4), help="streams at once, comma-separated (default 1,4); none: the probe alone")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-set", type=PromptSet, choices=[PromptSet.plain, PromptSet.chat], default=PromptSet.plain,
+                   help="plain: raw completions of instructions (many open with the end-of-generation token, whose "
+                        "stream shows nothing until the next step); chat: the same as chat messages")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--probe", type=int, default=0, metavar="N",
                    help="also N one-token requests of a few-token prompt per target, one at a time: the TTFT the "

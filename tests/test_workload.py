@@ -76,6 +76,41 @@ def test_the_copy_set_runs_as_chat_and_stops_at_eos(engine: Engine) -> None:
 
 
 @pytest.mark.unit
+def test_the_chat_set_is_the_plain_sets_instructions_as_chat_messages_with_eos_ignored() -> None:
+    from measure.workload import Prompts
+
+    plain, chat = Prompts(PromptSet.plain, first=7).round(3), Prompts(PromptSet.chat, first=7).round(3)
+    assert [p.text for p in chat] == [p.text for p in plain]
+    assert all(p.chat for p in chat) and not any(p.chat for p in plain)
+    assert Workload(prompt_set=PromptSet.chat).ignore_eos and not Workload(prompt_set=PromptSet.copy).ignore_eos
+    assert not Workload(prompt_set=PromptSet.chat, honour_eos=True).ignore_eos
+
+
+@pytest.mark.engine
+def test_raw_instructions_often_open_with_eos_and_the_chat_set_opens_with_text(engine: Engine) -> None:
+    """Why the chat set exists: a stream whose first token renders nothing shows a client nothing until the
+    next step (greedy, the embedded model, the first 32 prompts of each set: 48 of the first 100 raw ones
+    open with the end-of-generation token, none of the chat ones)."""
+    from measure.targets import prompt_tokens
+    from measure.workload import Prompts
+    from serving.request import SamplingParams
+
+    def first_texts(prompt_set: PromptSet) -> list[str]:
+        texts = []
+        prompts = Prompts(prompt_set)
+        for prompt in [p for _ in range(8) for p in prompts.round(4)]:
+            handle = engine.submit_choices(prompt_tokens(engine, prompt),
+                                           SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), 1)[0]
+            chunks = list(handle)
+            assert all(c.error is None for c in chunks)
+            texts.append(chunks[0].text)
+        return texts
+
+    assert "" in first_texts(PromptSet.plain)
+    assert all(first_texts(PromptSet.chat))
+
+
+@pytest.mark.unit
 def test_provenance_takes_the_commit_it_is_told(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """On the GPU machine the tree's .git may be an older copy: LLAMA_SERVE_TUNE_COMMIT says what ran."""
     from measure.provenance import COMMIT_ENV, commit, provenance

@@ -181,8 +181,9 @@ def _parser() -> argparse.ArgumentParser:
     trial.add_argument("--repeats", type=int, default=d.repeats,
                        help="measured rounds per figure after a warm-up; the median is kept")
     trial.add_argument("--prompt-set", choices=[*(s.value for s in PromptSet), "both"], default=d.prompt_set,
-                       help="plain (free writing, EOS ignored), copy (edit code, quote a text: where prompt lookup "
-                            "pays; stops at EOS), or both (objectives on plain, the single stream on copy beside)")
+                       help="plain (free writing as raw completions, EOS ignored), chat (the same instructions as "
+                            "chat messages), copy (edit code, quote a text: where prompt lookup pays; stops at EOS), "
+                            "or both (objectives on plain, the single stream on copy beside)")
     trial.add_argument("--min-stream-tok-s", type=float,
                        help="per-stream floor of the capacity figure, e.g. 10 (a reader's pace); given, every trial "
                             "also measures its capacity curve: 1, 2, 4, ... streams up to its slots")
