@@ -57,10 +57,8 @@ ROUND_TIMEOUT_S = 900.0
 
 class PromptSet(str, Enum):
     """`plain`: free writing (little to copy), as raw completions. `chat`: the same instructions as chat
-    messages (the chat template): an answer opens with text, where a raw completion of an instruction often
-    opens with the end-of-generation token (SmolLM2: three of the first four), which under ignore_eos shows a
-    client nothing until the next step, so a time to first token measures that step too. `copy`: edit code
-    or quote a text given in the prompt, the work where prompt lookup (speculation) pays."""
+    messages, through the model's template, as a chat client sends them. `copy`: edit code or quote a text
+    given in the prompt, the work where prompt lookup (speculation) pays."""
 
     plain = "plain"
     chat = "chat"

@@ -412,8 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    default=(1, 4), help="streams at once, comma-separated (default 1,4); none: the probe alone")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-set", type=PromptSet, choices=[PromptSet.plain, PromptSet.chat], default=PromptSet.plain,
-                   help="plain: raw completions of instructions (many open with the end-of-generation token, whose "
-                        "stream shows nothing until the next step); chat: the same as chat messages")
+                   help="plain: raw completions of instructions; chat: the same as chat messages, as a chat "
+                        "client sends them")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--probe", type=int, default=0, metavar="N",
                    help="also N one-token requests of a few-token prompt per target, one at a time: the TTFT the "

@@ -213,6 +213,12 @@ class LlamaModel:
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self.vocab, token))
 
+    @functools.cached_property
+    def eog_tokens(self) -> np.ndarray:
+        """Every end-of-generation token id (what `ignore_eos` bans, as llama-server's logit bias does): one
+        pass over the vocabulary, the first time a request asks."""
+        return np.array([t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self.vocab, t)], dtype=np.int64)
+
     def check_constraint(self, constraint: Constraint) -> None:
         """ValueError unless this vocabulary can enforce `constraint` (a guide is compiled, and cached, here)."""
         if constraint.kind is ConstraintKind.guide:
@@ -427,10 +433,13 @@ class SamplerChain:
                 raise ValueError("the grammar does not parse")
         elif constraint is not None:
             self._guide = Guided(ctx.model.guides.matcher(constraint.text), ctx.n_vocab, ctx.masks)
+        # ignore_eos bans the end-of-generation tokens, as llama-server's logit bias does; not under a
+        # constraint, whose end may be one
+        banned = ctx.model.eog_tokens.tolist() if params.ignore_eos and constraint is None else []
         # greedy alone: the chain is llama.cpp's greedy sampler, which keeps no history to accept tokens into
-        self._argmax = params.temperature <= 0.0 and not params.logit_bias and not params.has_penalties
+        self._argmax = params.temperature <= 0.0 and not params.logit_bias and not params.has_penalties and not banned
         self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        for sampler in _samplers_for(params, default_seed, ctx.n_vocab):
+        for sampler in _samplers_for(params, default_seed, ctx.n_vocab, banned):
             ll.llama_sampler_chain_add(self._ptr, sampler)  # the chain takes ownership
 
     def accept(self, tokens: Sequence[int]) -> None:
@@ -530,12 +539,13 @@ def masked_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
 
 
-def _samplers_for(params: SamplingParams, default_seed: int, n_vocab: int) -> list[ll.llama_sampler_p]:
+def _samplers_for(params: SamplingParams, default_seed: int, n_vocab: int,
+                  banned: Sequence[int] = ()) -> list[ll.llama_sampler_p]:
     samplers = []
-    if params.logit_bias:
-        biases = (ll.llama_logit_bias * len(params.logit_bias))(
-            *(ll.llama_logit_bias(token=t, bias=b) for t, b in params.logit_bias))
-        samplers.append(ll.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
+    bias = [*params.logit_bias, *((t, -math.inf) for t in banned)]
+    if bias:
+        biases = (ll.llama_logit_bias * len(bias))(*(ll.llama_logit_bias(token=t, bias=b) for t, b in bias))
+        samplers.append(ll.llama_sampler_init_logit_bias(n_vocab, len(bias), biases))
     if params.has_penalties:
         samplers.append(ll.llama_sampler_init_penalties(
             n_vocab, params.penalty_last_n, params.repeat_penalty, params.frequency_penalty,
@@ -626,6 +636,12 @@ class LlamaContext:
 
     def greedy(self, row: int) -> int:
         return int(self.logits(row).argmax())
+
+    def greedy_no_eog(self, row: int) -> int:
+        """The most likely token that is no end of generation (greedy under `ignore_eos`)."""
+        logits = self.logits(row).copy()
+        logits[self.model.eog_tokens] = -np.inf
+        return int(logits.argmax())
 
     def new_sampler(self, params: SamplingParams, default_seed: int) -> SamplerChain:
         return SamplerChain(self, params, default_seed)

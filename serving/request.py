@@ -61,7 +61,7 @@ class SamplingParams:
     penalty_last_n: int = 64
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # generate to max_tokens, never sampling an end-of-generation token (as llama-server)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit; -inf bans)
     constraint: Constraint | None = None  # only continuations it accepts are sampled
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely

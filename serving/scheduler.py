@@ -79,6 +79,8 @@ class ModelContext(DraftContext, Protocol):
 
     def is_eog(self, token: int) -> bool: ...
 
+    def greedy_no_eog(self, row: int) -> int: ...
+
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob: ...
 
     def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview: ...
@@ -342,7 +344,7 @@ class Scheduler:
         accepted = 0
         for i in range(len(draft) + 1):
             try:
-                token = self._ctx.greedy(row + i) if slot.sampler is None else slot.sampler.sample(row + i)
+                token = self._greedy(row + i, request) if slot.sampler is None else slot.sampler.sample(row + i)
                 top_n = request.params.logprobs
                 logprob = None if top_n is None else self._ctx.logprobs(row + i, token, top_n)
             except Exception:  # one request's sampler: that request fails, its neighbours go on
@@ -363,6 +365,14 @@ class Scheduler:
             if kept < len(slot.cache):
                 self._ctx.forget(slot.seq_id, kept)
                 del slot.cache[kept:]
+
+    def _greedy(self, row: int, request: Request) -> int:
+        """The model's top token; under `ignore_eos` never an end of generation (llama-server bans them with a
+        logit bias: the text goes on as the model would continue it, not past a token it shows as nothing)."""
+        token = self._ctx.greedy(row)
+        if request.params.ignore_eos and self._ctx.is_eog(token):
+            return self._ctx.greedy_no_eog(row)
+        return token
 
     def _on_token(self, slot: Slot, token: int, now: float, logprob: TokenLogprob | None) -> RequestOutput:
         request, usage = slot.request, slot.usage

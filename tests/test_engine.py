@@ -387,3 +387,21 @@ def test_constrained_greedy_takes_the_best_allowed_token_as_the_full_pass_does(k
     finally:
         ctx.free()
         model.free()
+
+
+def test_ignore_eos_never_samples_an_end_of_generation_token(engine: Engine) -> None:
+    """As llama-server (a logit bias on every EOG token): greedy, where this raw prompt's top first token is
+    SmolLM2's EOS, and sampled, with a bias that makes EOS every step's choice; without ignore_eos the same
+    bias ends the answer at once (so the bias does reach the sampler)."""
+    prompt = engine.tokenize_prompt("Request 100. Write a short story about a lighthouse keeper who finds a "
+                                    "message in a bottle.")
+    [eos] = engine.tokenize("<|im_end|>", add_special=False, parse_special=True)
+    greedy = collect(engine.submit(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+    assert len(greedy.tokens) == 8 and eos not in greedy.tokens
+    assert all(engine.token_piece(t) for t in greedy.tokens)  # every token shows text, the first one too
+    sampled = collect(engine.submit(prompt, SamplingParams(max_tokens=8, temperature=0.8, seed=5,
+                                                           logit_bias=((eos, 100.0),), ignore_eos=True)))
+    assert len(sampled.tokens) == 8 and eos not in sampled.tokens
+    ended = collect(engine.submit(prompt, SamplingParams(max_tokens=8, temperature=0.8, seed=5,
+                                                         logit_bias=((eos, 100.0),))))
+    assert ended.finish_reason == FinishReason.stop and ended.usage is not None and ended.usage.completion_tokens == 0

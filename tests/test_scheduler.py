@@ -105,6 +105,10 @@ class FakeContext:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
+    def greedy_no_eog(self, row: int) -> int:
+        """The model's second choice where its first is EOS: the token it says otherwise."""
+        return (self.rows[row][0] + 1) % (VOCAB - 1)
+
     def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview:
         self.saves.append(seq_id)
         data = json.dumps(self.kv.get(seq_id, [])).encode()
@@ -278,6 +282,18 @@ def test_eos_ends_with_stop_and_is_not_counted() -> None:
     out = run(s, ctx)
     assert tokens_of(out, r) == [4, 5] and ends(out)[r.id].finish == FinishReason.stop
     assert ends(out)[r.id].usage.completion_tokens == 2
+
+
+def test_ignore_eos_never_samples_eos_and_goes_on_to_max_tokens() -> None:
+    """As llama-server's logit bias: the model's EOS is replaced by its best other token, not generated and
+    passed over (which a client would see as a token with no text)."""
+    s, ctx = make()
+    r = req([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    ctx.eos_after[0] = 5  # the model says EOS after 2 generated tokens, as above
+    s.add([r])
+    out = run(s, ctx)
+    assert tokens_of(out, r) == [4, 5, 6, 7] and EOS not in tokens_of(out, r)
+    assert ends(out)[r.id].finish == FinishReason.length
 
 
 def test_generation_stops_at_the_slot_end_without_max_tokens() -> None:

@@ -13,7 +13,7 @@
 #      against the engine in-process, one stream and four, and the first-token probe, with llama-server on the
 #      same model through the same client beside them (a client process per stream: HTTP_CLIENTS), then
 #      HTTP_TRACE (default 6) traced rounds, each stream's TTFT split by our app's stamps (--server-trace);
-#      HTTP_PROMPT_SET (default plain; chat: the instructions as chat messages, bench_http_path.py --prompt-set);
+#      HTTP_PROMPT_SET (default plain; chat: the instructions as chat messages: bench_http_path.py --prompt-set);
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
 #      llama-server --cache-ram 8192 and 0, THINK_MS between turns (default 0) (CONVERSATIONS=0 skips it;
 #      CONSTRAINED=0 skips step 2).
