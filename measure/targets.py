@@ -82,7 +82,7 @@ class EngineTarget:
     async def _read(self, handle: AsyncIterable[GenerationChunk], record: StreamRecord) -> StreamRecord:
         """Time the chunks: every token is output (the engine's view, as llama-server's completions stream
         shows it), or with `text_only` only text, as our server's stream shows it: a token that renders as
-        nothing (a special token such as SmolLM2's `<|im_end|>` under ignore_eos, half a UTF-8 character)
+        nothing (a special token, half a UTF-8 character)
         gets no SSE event there, so a client first sees it with the next text. A comparison with our HTTP
         path needs the latter, or the in-process TTFT comes a decode step early for such streams (found with
         `bench_http_path.py --trace`: one stream of four on CPU, ~30 ms). Tokens still unseen at the end

@@ -434,7 +434,7 @@ class SamplerChain:
         elif constraint is not None:
             self._guide = Guided(ctx.model.guides.matcher(constraint.text), ctx.n_vocab, ctx.masks)
         # ignore_eos bans the end-of-generation tokens, as llama-server's logit bias does; not under a
-        # constraint, whose end may be one
+        # constraint, which once complete allows nothing else
         banned = ctx.model.eog_tokens.tolist() if params.ignore_eos and constraint is None else []
         # greedy alone: the chain is llama.cpp's greedy sampler, which keeps no history to accept tokens into
         self._argmax = params.temperature <= 0.0 and not params.logit_bias and not params.has_penalties and not banned

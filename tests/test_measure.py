@@ -321,7 +321,7 @@ def test_llama_server_flags_mean_the_engine_config() -> None:
 
 @pytest.mark.parametrize("text_only", [False, True])
 def test_in_process_output_is_every_token_or_only_text_as_our_stream_shows_it(text_only: bool) -> None:
-    """A first token that renders as nothing (SmolLM2's `<|im_end|>` under ignore_eos) is output for the
+    """A first token that renders as nothing (a special token, half a UTF-8 character) is output for the
     engine's view; with text_only it is shown with the next text, as our server's SSE stream shows it (no event
     for a token without text), so the HTTP path is compared with the same first token. Tokens still without
     text at the end are output there."""
