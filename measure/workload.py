@@ -18,12 +18,13 @@ report means the same thing wherever it was measured (definitions: measure/metri
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib import resources
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from measure.metrics import RoundFigures, StreamRecord, stream_figures
 
@@ -198,6 +199,18 @@ def capacity_levels(slots: int) -> list[int]:
 Progress = Callable[[str, int, int, RoundFigures], None]  # target, level, repeat (1-based), the round
 
 
+T = TypeVar("T")
+
+
+def round_order(targets: Sequence[T], index: int) -> list[T]:
+    """The targets' order in round `index`: every ordering in turn (for two, A B then B A), so that over a
+    run each target follows each other one as often. Reversing alone keeps a middle target beside the same
+    neighbours; on a CPU, where the last target's threads may still hold the cores, the target that always
+    follows the in-process engine paid for it (docs/performance.md, "what follows the in-process engine")."""
+    orders = list(itertools.permutations(targets))
+    return list(orders[index % len(orders)])
+
+
 class Runner:
     """Runs a workload on targets; request numbers keep counting across calls (fresh prefixes)."""
 
@@ -228,13 +241,14 @@ class Runner:
         return RoundFigures.of([stream_figures(r) for r in records], wall, w.gen_tokens), records
 
     async def levels(self, targets: Sequence[Target], progress: Progress | None = None) -> dict[str, dict[int, Level]]:
-        """Per level: a warm-up round per target, then `repeats` rounds interleaved A B, B A, ..."""
+        """Per level: a warm-up round per target, then `repeats` rounds, the targets in `round_order`'s turn
+        (two targets: A B, B A, ...)."""
         results: dict[str, dict[int, Level]] = {t.name: {} for t in targets}
         for streams in self.workload.levels:
             for target in targets:
                 await self.round(target, streams)
             for repeat in range(self.workload.repeats):
-                for target in (targets if repeat % 2 == 0 else list(reversed(targets))):
+                for target in round_order(targets, repeat):
                     figures = await self.round(target, streams)
                     results[target.name].setdefault(streams, Level()).rounds.append(figures)
                     if progress is not None:

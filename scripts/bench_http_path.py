@@ -66,7 +66,7 @@ from measure.metrics import (  # noqa: E402
 )
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import HttpTarget, free_loopback_port, loaded_engine  # noqa: E402
-from measure.workload import Prompt, PromptSet, Runner, Target, Workload  # noqa: E402
+from measure.workload import Prompt, PromptSet, Runner, Target, Workload, round_order  # noqa: E402
 from serving.config import load_engine_config  # noqa: E402
 from serving.http import TRACE_ENV  # noqa: E402
 
@@ -208,12 +208,12 @@ async def http_targets(stack: contextlib.AsyncExitStack, name: str, url: str, cl
 
 async def first_token_probe(targets: Sequence[Target], rounds: int) -> dict[str, list[float]]:
     """What the path adds where no prefill hides it: a prompt of a few tokens and one token out, one request at a
-    time, each target in turn (the order alternating), `rounds` times after a warm-up; each request's TTFT, ms."""
+    time, each target in turn (`round_order`'s), `rounds` times after a warm-up; each request's TTFT, ms."""
     ttfts: dict[str, list[float]] = {t.name: [] for t in targets}
     for target in targets:
         await target.run_stream(Prompt("Request 0.", chat=False), 1, True)
     for i in range(1, rounds + 1):
-        for target in (targets if i % 2 else list(reversed(targets))):
+        for target in round_order(targets, i - 1):
             record = await target.run_stream(Prompt(f"Request {i}.", chat=False), 1, True)
             ttfts[target.name].append(stream_figures(record).ttft_s * 1000)
     return ttfts
@@ -239,8 +239,8 @@ async def stream_trace(runner: Runner, targets: Sequence[Target], rounds: int) -
     """`rounds` more rounds of the largest level per target, each stream as it went: which of a round's
     requests reached the engine late, and which step each joined, shows here, not in a round's means."""
     traces: dict[str, list[list[StreamRecord]]] = {t.name: [] for t in targets}
-    for _ in range(rounds):
-        for target in targets:
+    for i in range(rounds):
+        for target in round_order(targets, i):
             _, records = await runner.run_round(target, runner.workload.concurrency)
             traces[target.name].append(records)
     return traces

@@ -3,6 +3,7 @@ prompts every target gets (the one measurement definition the tuner and the benc
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from measure.metrics import RoundFigures, StreamFigures, StreamRecord, percentile, ratios, stream_figures
 from measure.sse import StreamError, interpret_chunk, iter_sse_data
 from measure.targets import check_loopback_url, check_server_args, llama_server_flags
-from measure.workload import COPY_TASKS, PLAIN_PROMPTS, Prompts, PromptSet, Workload
+from measure.workload import COPY_TASKS, PLAIN_PROMPTS, Prompts, PromptSet, Workload, round_order
 from serving.config import EngineConfig, load_engine_config
 
 pytestmark = pytest.mark.unit
@@ -443,3 +444,16 @@ def test_a_client_process_that_dies_mid_stream_fails_its_round_clearly() -> None
             server.close()
 
     asyncio.run(run())
+
+
+def test_round_order_alternates_two_and_gives_every_target_each_predecessor_as_often() -> None:
+    assert [round_order(["a", "b"], i) for i in range(4)] == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
+    three = ["in-process", "first", "second"]
+    follows = {name: [] for name in three}  # what ran just before each target, within a round
+    for i in range(6):
+        order = round_order(three, i)
+        assert sorted(order) == sorted(three)
+        for before, after in itertools.pairwise(order):
+            follows[after].append(before)
+    # reversing alone put "first" after the in-process engine in every other round and "second" never
+    assert follows["first"].count("in-process") == follows["second"].count("in-process") == 2
