@@ -18,7 +18,7 @@ report means the same thing wherever it was measured (definitions: measure/metri
 from __future__ import annotations
 
 import asyncio
-import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -207,8 +207,12 @@ def round_order(targets: Sequence[T], index: int) -> list[T]:
     run each target follows each other one as often. Reversing alone keeps a middle target beside the same
     neighbours; on a CPU, where the last target's threads may still hold the cores, the target that always
     follows the in-process engine paid for it (docs/performance.md, "what follows the in-process engine")."""
-    orders = list(itertools.permutations(targets))
-    return list(orders[index % len(orders)])
+    rest, order = list(targets), []
+    index %= math.factorial(len(rest))
+    for left in range(len(rest), 0, -1):  # the index-th of itertools.permutations' order, without listing them
+        pick, index = divmod(index, math.factorial(left - 1))
+        order.append(rest.pop(pick))
+    return order
 
 
 class Runner:

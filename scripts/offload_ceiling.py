@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -117,9 +118,10 @@ def need(load: str, found: Sequence[Point], fit_tok_s: float, ratio: float, vram
     """The line of ms per token for `load`, and the experts-in-host layers and VRAM that ratio x --fit needs."""
     speeds = [p.single_tok_s if load == "single" else p.multi_tok_s for p in found]
     line = fit_line([p.n_cpu_moe for p in found], [1000.0 / s for s in speeds])
-    layers = int(line.solve(1000.0 / (ratio * fit_tok_s)) // 1)
-    return Need(load, line, fit_tok_s, line.solve(1000.0 / fit_tok_s), ratio, max(layers, -1),
-                vram.at(layers) / GIB if layers >= 0 else None)
+    layers = math.floor(line.solve(1000.0 / (ratio * fit_tok_s)))
+    if layers < 0:
+        return Need(load, line, fit_tok_s, line.solve(1000.0 / fit_tok_s), ratio, -1, None)
+    return Need(load, line, fit_tok_s, line.solve(1000.0 / fit_tok_s), ratio, layers, vram.at(layers) / GIB)
 
 
 def budget(command: str) -> float | None:
