@@ -244,15 +244,43 @@ def paired_ratios(ours: Sequence[RoundFigures], reference: Sequence[RoundFigures
 @dataclass(frozen=True)
 class PairedGap:
     """ours[i] - reference[i] over the rounds of one interleaved run: the median and quartiles. For a latency
-    (TTFT) a bar in milliseconds asks this, not a ratio; the quartiles show how much of it the machine's noise is."""
+    (TTFT) a bar in milliseconds asks this, not a ratio; the quartiles show how much of it the machine's noise is,
+    and `ci_low`..`ci_high` (a 95% confidence interval of the median, `median_interval`) whether a bar is met or
+    only missed by the noise (None where the rounds are too few for one, and in reports saved before it)."""
 
     median: float
     q1: float
     q3: float
     rounds: int
+    ci_low: float | None = None
+    ci_high: float | None = None
 
     def text(self) -> str:
-        return f"{self.median:+.1f} [{self.q1:+.1f}, {self.q3:+.1f}]"
+        quartiles = f"{self.median:+.1f} [{self.q1:+.1f}, {self.q3:+.1f}]"
+        if self.ci_low is None or self.ci_high is None:
+            return quartiles
+        return f"{quartiles} (95%: {self.ci_low:+.1f} to {self.ci_high:+.1f})"
+
+
+CONFIDENCE = 0.95
+
+
+def median_interval(ordered: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """A distribution-free confidence interval of the median of sorted `ordered`: the k-th smallest and k-th
+    largest values, k the largest for which fewer than k of n values fall below the median with probability at
+    most (1 - confidence) / 2 (the binomial(n, 1/2) count; no assumption on the noise's shape, which on these
+    machines has long tails). None where n is too small for any such k (n < 6 at 95%)."""
+    n = len(ordered)
+    tail = (1.0 - confidence) / 2
+    below, k = 0.0, 0  # P(count < k+1) = sum of C(n, i) / 2^n for i <= k
+    while k < n // 2:
+        below += math.comb(n, k) / 2.0**n
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    return ordered[k - 1], ordered[n - k]
 
 
 def paired_gap(ours: Sequence[float], reference: Sequence[float]) -> PairedGap | None:
@@ -262,7 +290,9 @@ def paired_gap(ours: Sequence[float], reference: Sequence[float]) -> PairedGap |
     each = sorted(a - b for a, b in zip(ours, reference, strict=True))
     if not each:
         return None
-    return PairedGap(statistics.median(each), percentile(each, 25), percentile(each, 75), len(each))
+    interval = median_interval(each)
+    return PairedGap(statistics.median(each), percentile(each, 25), percentile(each, 75), len(each),
+                     *(interval or (None, None)))
 
 
 def ratios(ours: RoundFigures, reference: RoundFigures) -> dict[str, float | None]:

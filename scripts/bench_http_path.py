@@ -27,9 +27,14 @@ process of its own (measure/clients.py), as separate programs would, and `--clie
 both ways in the same rounds (the second named NAME+procs).
 
 `--server-trace` has our apps stamp each request as it reaches the app, is handed to the engine and has its first
-bytes written ($LLAMA_SERVE_TUNE_HTTP_TRACE, serving/http.py), and splits each traced stream's TTFT (`--trace`) into
-the client's send, the way in to the app (the HTTP server and Serve), the app's own work, the engine's TTFT, the
-way out to the first write and to the client: on one host every process reads one monotonic clock.
+bytes written ($LLAMA_SERVE_TUNE_HTTP_TRACE, serving/http.py), and splits each traced stream's TTFT (`--trace`,
+and every probe request's, `--probe`) into the client's send, the way in to the app (the HTTP server and Serve),
+the app's own work, the engine's TTFT, the way out to the first write and to the client: on one host every
+process reads one monotonic clock.
+
+Every TTFT gap against the in-process engine is a paired median with its quartiles and a 95% confidence interval
+of the median (measure/metrics.py `median_interval`): a bar in milliseconds is met where the interval's top is
+under it, and only missed by the noise where the interval straddles it.
 
 In process, a stream's output is its text, as our server's stream shows it: a token that renders as nothing
 (a special token, half a UTF-8 character) gets no SSE event, so a client sees it with the next text, and the
@@ -160,7 +165,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             runner = Runner(workload, pause_s=args.pause_ms / 1000)
             results = await runner.levels(targets, lambda name, level, rep, f: print(
                 f"  {name:<12} c={level} rep {rep}: {f.aggregate_tok_s:.1f} tok/s", file=sys.stderr))
-            probe = await first_token_probe(targets, args.probe) if args.probe else {}
+            probe = await first_token_probe(targets, args.probe, args.pause_ms / 1000) if args.probe else {}
             trace = await stream_trace(runner, targets, args.trace) if args.trace else {}
     finally:
         if args.variant:
@@ -182,10 +187,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                               for name, levels in results.items() if name != IN_PROCESS},
             "ttft_gap_ms": ttft_gaps({name: {n: level.rounds for n, level in levels.items()}
                                       for name, levels in results.items()}),
-            "probe_ttft_ms": probe,
+            "probe_ttft_ms": {name: [stream_figures(r).ttft_s * 1000 for r in records]
+                              for name, records in probe.items()},
+            "probe_engine_ttft_ms": {name: [_ms(stream_figures(r).engine_ttft_s) for r in records]
+                                     for name, records in probe.items()},
             "server_trace": args.server_trace,
             "trace": {name: [[asdict(stream) for stream in traced_round(records, stamps)] for records in rounds]
-                      for name, rounds in trace.items()}}
+                      for name, rounds in trace.items()},
+            "probe_trace": {name: [[asdict(stream) for stream in traced_round([r], stamps)] for r in records]
+                            for name, records in probe.items()} if stamps else {}}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 
 async def http_targets(stack: contextlib.AsyncExitStack, name: str, url: str, clients: Clients,
@@ -206,17 +220,21 @@ async def http_targets(stack: contextlib.AsyncExitStack, name: str, url: str, cl
     return targets
 
 
-async def first_token_probe(targets: Sequence[Target], rounds: int) -> dict[str, list[float]]:
+async def first_token_probe(targets: Sequence[Target], rounds: int,
+                            pause_s: float = 0.0) -> dict[str, list[StreamRecord]]:
     """What the path adds where no prefill hides it: a prompt of a few tokens and one token out, one request at a
-    time, each target in turn (`round_order`'s), `rounds` times after a warm-up; each request's TTFT, ms."""
-    ttfts: dict[str, list[float]] = {t.name: [] for t in targets}
+    time, each target in turn (`round_order`'s), `rounds` times after a warm-up, `pause_s` idle before each
+    request (on a CPU, so the last target's engine threads have stopped spinning: they share the cores with
+    this one's path); each request's record."""
+    records: dict[str, list[StreamRecord]] = {t.name: [] for t in targets}
     for target in targets:
         await target.run_stream(Prompt("Request 0.", chat=False), 1, True)
     for i in range(1, rounds + 1):
         for target in round_order(targets, i - 1):
-            record = await target.run_stream(Prompt(f"Request {i}.", chat=False), 1, True)
-            ttfts[target.name].append(stream_figures(record).ttft_s * 1000)
-    return ttfts
+            if pause_s > 0:
+                await asyncio.sleep(pause_s)
+            records[target.name].append(await target.run_stream(Prompt(f"Request {i}.", chat=False), 1, True))
+    return records
 
 
 @dataclass(frozen=True)
@@ -320,13 +338,20 @@ def parts_table(trace: dict[str, list[list[dict[str, Any]]]]) -> str:
     return "\n".join(lines)
 
 
-def probe_table(probe: dict[str, list[float]]) -> str:
-    """The probe's TTFT per target, and each against the engine in-process request by request."""
-    lines = ["| target | requests | TTFT ms (median) | TTFT - in-process ms: paired median [quartiles] |",
-             "| --- | ---: | ---: | ---: |"]
+def probe_table(probe: dict[str, list[float]], own: dict[str, list[float | None]] | None = None) -> str:
+    """The probe's TTFT per target, and each against the engine in-process request by request; with the
+    engine's own TTFT of each request (`own`, reports since it was kept), the path's share: TTFT minus it,
+    the part of the gap that is not the engine's noise."""
+    lines = ["| target | requests | TTFT ms (median) | engine's own ms (median) | the path's ms (median) "
+             "| TTFT - in-process ms: paired median [quartiles] (95% CI of the median) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, values in probe.items():
         gap = paired_gap(values, probe[IN_PROCESS]) if name != IN_PROCESS else None
-        lines.append(f"| {name} | {len(values)} | {statistics.median(values):.1f} | {gap.text() if gap else '-'} |")
+        engine = [v for v in (own or {}).get(name, []) if v is not None]
+        paths = [t - e for t, e in zip(values, (own or {}).get(name, []), strict=False) if e is not None]
+        lines.append(f"| {name} | {len(values)} | {statistics.median(values):.1f} "
+                     f"| {f'{statistics.median(engine):.1f}' if engine else '-'} "
+                     f"| {f'{statistics.median(paths):.1f}' if paths else '-'} | {gap.text() if gap else '-'} |")
     return "\n".join(lines)
 
 
@@ -366,7 +391,7 @@ def table(report: dict[str, Any]) -> str:
     more through a server than in process, this says whether the engine's part grew (the requests reached
     it apart) or the path's."""
     lines = ["| target | streams | agg tok/s | decode tok/s | TTFT ms | engine's own TTFT ms | last request sent ms "
-             "| TTFT - in-process ms: paired median [quartiles] "
+             "| TTFT - in-process ms: paired median [quartiles] (95% CI of the median) "
              "| agg / in-process: paired, of medians | decode / in-process: paired, of medians |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, levels in report["results"].items():
@@ -386,7 +411,12 @@ def table(report: dict[str, Any]) -> str:
 def print_tables(report: dict[str, Any]) -> None:
     print(table(report))
     if report.get("probe_ttft_ms"):
-        print(probe_table(report["probe_ttft_ms"]))
+        print(probe_table(report["probe_ttft_ms"], report.get("probe_engine_ttft_ms")))
+        probe_trace = report.get("probe_trace")
+        if probe_trace and any(ttft_parts(s) is not None for rounds in probe_trace.values()
+                               for streams in rounds for s in streams):
+            print("The probe's requests, part by part:")
+            print(parts_table(probe_trace))
     trace = report.get("trace")
     if trace:
         print(trace_table(trace))
@@ -420,14 +450,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "path adds where no prefill hides it (default 0: none)")
     p.add_argument("--server-trace", action="store_true",
                    help="our apps (--direct, --variant) stamp each request (serving/http.py); the traced rounds "
-                        "(--trace) then show where each stream's TTFT went, part by part")
+                        "(--trace) and the probe (--probe) then show where each stream's TTFT went, part by part")
     p.add_argument("--trace", type=int, default=0, metavar="N",
                    help="also N rounds of the largest level per target, each stream's TTFT and the engine's own "
                         "printed (default 0: none)")
     p.add_argument("--pause-ms", type=float, default=0.0,
-                   help="idle time before each round (the levels and the trace), so each target's idle work, the "
-                        "prompt cache's saves, is done before its next round and never during another target's "
-                        "(default 0: rounds back to back)")
+                   help="idle time before each round (the levels, the trace) and each probe request, so each "
+                        "target's idle work (the prompt cache's saves; on a CPU, its engine threads' spin after a "
+                        "graph) is done before the next round and never during another target's (default 0: rounds "
+                        "back to back)")
     p.add_argument("--clients", type=Clients, choices=list(Clients), default=Clients.loop,
                    help="how the streams of a --server or --direct target are run: loop (one event loop in this "
                         "process, as before), processes (a client process per stream: no stream waits on "
@@ -448,8 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.variant and not args.server and not args.direct and not args.local:
         p.error("give at least one --variant, --direct, --server or --local")
-    if args.server_trace and not args.trace:
-        p.error("--server-trace splits the traced rounds' TTFT: give --trace N too")
+    if args.server_trace and not args.trace and not args.probe:
+        p.error("--server-trace splits the traced rounds' and the probe's TTFT: give --trace N or --probe N too")
     report = asyncio.run(run(args))
     print_tables(report)
     if args.json_out:

@@ -33,7 +33,8 @@ def test_a_saved_run_prints_paired_ratios_and_ttft_gaps_worked_out_from_its_roun
     report = json.loads((bench.REPO_ROOT / "docs" / "results" / "bench_http_path_cpu_auto.json").read_text())
     assert "paired_ratios" not in report  # saved before the report carried them
     text = bench.table(bench.with_paired_ratios(report))  # a run from before send times: "-"
-    assert "| default | 1 | 66.9 | 81.1 | 285 | - | - | +34.7 [+3.2, +45.6] | 0.957, 0.885 | 0.980, 0.938 |" in text
+    assert ("| default | 1 | 66.9 | 81.1 | 285 | - | - | +34.7 [+3.2, +45.6] (95%: -0.3 to +51.4) "
+            "| 0.957, 0.885 | 0.980, 0.938 |") in text
 
 
 def test_a_traced_round_shows_each_streams_ttft_the_engines_own_and_the_paths(bench) -> None:  # noqa: ANN001
@@ -68,3 +69,44 @@ def test_the_parts_table_ranks_a_rounds_streams_by_when_they_reached_the_app(ben
     # first to arrive: to the app 1 and 2 ms (median 1.5), TTFT 20 and 22; the later ones: 6 and 8, 30 and 40
     assert "| direct | 1 | 2 | 1.0 | 1.5 | 1.0 | 10.0 | 7.0 | 0.5 | 21.0 |" in text
     assert "| direct | 2 | 2 | 1.0 | 7.0 | 1.0 | 10.0 | 15.5 | 0.5 | 35.0 |" in text
+
+
+def test_the_probe_table_splits_each_requests_ttft_into_the_engines_own_and_the_paths(bench) -> None:  # noqa: ANN001
+    """The path's share (TTFT minus the engine's own, request by request) is what the path costs without the
+    engine's noise; an older report without the engine's figures prints '-' there."""
+    probe = {"in-process": [10.0, 12.0, 11.0], "direct": [15.0, 20.0, 16.0]}
+    own = {"in-process": [9.0, 11.0, 10.0], "direct": [10.0, 14.0, 11.0]}
+    text = bench.probe_table(probe, own)
+    assert "| in-process | 3 | 11.0 | 10.0 | 1.0 | - |" in text
+    assert "| direct | 3 | 16.0 | 11.0 | 5.0 | +5.0 [+5.0, +6.5] |" in text
+    assert "| direct | 3 | 16.0 | - | - | +5.0 [+5.0, +6.5] |" in bench.probe_table(probe)
+
+
+def test_the_probe_pauses_before_each_request_and_takes_the_targets_in_each_order(
+        bench, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """On a CPU the last target's engine threads spin on after its graph, on the cores this target's path needs:
+    `pause_s` idles before every request (the warm-up aside), as the rounds' pause does."""
+    import asyncio
+
+    from measure.metrics import StreamRecord
+
+    events: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def run_stream(self, prompt, max_tokens: int, ignore_eos: bool) -> StreamRecord:  # noqa: ANN001
+            events.append(self.name)
+            return StreamRecord(t_start=0.0, output_times=[0.002], output_tokens=[1], request_id=prompt.text)
+
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        events.append(f"pause {seconds}")
+        await real_sleep(0)
+
+    monkeypatch.setattr(bench.asyncio, "sleep", sleep)
+    records = asyncio.run(bench.first_token_probe([Fake("a"), Fake("b")], 2, 0.05))
+    assert events == ["a", "b", "pause 0.05", "a", "pause 0.05", "b", "pause 0.05", "b", "pause 0.05", "a"]
+    assert [r.request_id for r in records["a"]] == ["Request 1.", "Request 2."]

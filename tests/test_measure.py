@@ -268,6 +268,34 @@ def test_the_paired_ttft_gap_is_each_round_minus_its_neighbour_with_quartiles() 
         paired_gap(ours[:2], reference)
 
 
+@pytest.mark.parametrize(("n", "ranks"), [(5, None), (6, (1, 6)), (10, (2, 9)), (16, (4, 13)), (100, (40, 61))])
+def test_the_medians_confidence_interval_is_the_binomial_order_statistics(n: int,
+                                                                          ranks: tuple[int, int] | None) -> None:
+    """The distribution-free 95% interval of a median (the standard table's ranks: n=100 -> 40th and 61st);
+    too few rounds for one give None, and the gap then prints its quartiles alone."""
+    from measure.metrics import median_interval, paired_gap
+
+    values = [float(i) for i in range(1, n + 1)]
+    assert median_interval(values) == ranks
+    gap = paired_gap([v + 3.0 for v in values], values)
+    assert gap is not None and (gap.ci_low, gap.ci_high) == ((3.0, 3.0) if ranks else (None, None))
+    assert gap.text().endswith("(95%: +3.0 to +3.0)") if ranks else gap.text() == "+3.0 [+3.0, +3.0]"
+
+
+def test_the_medians_interval_holds_the_median_about_95_times_in_100() -> None:
+    """Over skewed noise (exponential, the shape of a TTFT's tail), seeded: the interval's coverage."""
+    import random
+
+    from measure.metrics import median_interval
+
+    rng, true_median, hits = random.Random(7), math.log(2), 0
+    for _ in range(2000):
+        interval = median_interval(sorted(rng.expovariate(1.0) for _ in range(30)))
+        assert interval is not None
+        hits += interval[0] <= true_median <= interval[1]
+    assert 0.93 <= hits / 2000 <= 0.99
+
+
 @pytest.mark.parametrize(("q", "expected"), [(0, 1.0), (50, 2.5), (95, 3.85), (100, 4.0), (25, 1.75)])
 def test_percentile_matches_linear_interpolation(q: float, expected: float) -> None:
     assert percentile([4.0, 1.0, 3.0, 2.0], q) == pytest.approx(expected)
