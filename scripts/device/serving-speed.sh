@@ -14,6 +14,8 @@
 #      same model through the same client beside them (a client process per stream: HTTP_CLIENTS), then
 #      HTTP_TRACE (default 6) traced rounds, each stream's TTFT split by our app's stamps (--server-trace);
 #      HTTP_PROMPT_SET (default plain; chat: the instructions as chat messages: bench_http_path.py --prompt-set);
+#      HTTP_PROBE probe requests (default 100), HTTP_PAUSE_MS idle before each round and probe request (default 100:
+#      no target's idle work, or spinning threads, in another's time);
 #   4. scripts/bench_conversations.py on the 27B-class model: six conversations over two slots, ours against
 #      llama-server --cache-ram 8192 and 0, THINK_MS between turns (default 0) (CONVERSATIONS=0 skips it;
 #      CONSTRAINED=0 skips step 2).
@@ -53,7 +55,7 @@ say "HTTP path (embedded model)"
 read -r -a PATHS <<< "${HTTP_PATHS:---variant default --variant engine:ingress=engine --direct direct-engine:ingress=engine}"
 HTTP=(--engine model="$SMOL" --engine n_parallel=4 --engine n_ctx=4096 --max-tokens 64
       --prompt-set "${HTTP_PROMPT_SET:-plain}"
-      --repeats "${HTTP_REPEATS:-10}" --probe 100)
+      --repeats "${HTTP_REPEATS:-10}" --probe "${HTTP_PROBE:-100}" --pause-ms "${HTTP_PAUSE_MS:-100}")
 ray stop --force > /dev/null 2>&1
 # llama-server on the same model, slots and context, through the same client: what any server's HTTP costs here
 LS_PORT=18080
