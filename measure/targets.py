@@ -236,10 +236,12 @@ def llama_server_flags(config: EngineConfig) -> list[str]:
     flags = ["-ngl", "999" if config.n_gpu_layers < 0 else str(config.n_gpu_layers), "-c", str(config.n_ctx),
              "-np", str(config.n_parallel), "-b", str(config.n_batch), "-ub", str(config.n_ubatch),
              "-ctk", config.type_k.value, "-ctv", config.type_v.value, "-fa", config.flash_attn.value]
-    if config.n_cpu_moe:
-        flags += ["--n-cpu-moe", str(config.n_cpu_moe)]
     for override in config.override_tensor:
         flags += ["-ot", override]
+    if config.n_cpu_moe and not config.cpu_moe_start:
+        flags += ["--n-cpu-moe", str(config.n_cpu_moe)]
+    elif config.n_cpu_moe:  # layers from another start: --n-cpu-moe's own patterns, given as -ot (after the others)
+        flags += ["-ot", ",".join(str(o) for o in config.expert_overrides())]
     if not config.kv_offload:
         flags += ["-nkvo"]
     if config.kv_unified:

@@ -50,6 +50,10 @@ def test_placement_settings_read_as_llama_server_writes_them() -> None:
     assert not base.same_weights(base.model_copy(update={"n_cpu_moe": 1}))
     assert base.same_weights(base.model_copy(update={"kv_offload": False}))
     assert hash(config) == hash(EngineConfig(**config.model_dump()))  # still a key for measured configs
+    # the same count from another layer on: those layers' experts, and another placement
+    tail = EngineConfig(n_cpu_moe=2, cpu_moe_start=46)
+    assert [str(o) for o in tail.tensor_overrides()] == [EXPERTS_OF_LAYER.format(layer=i) + "=CPU" for i in (46, 47)]
+    assert not tail.same_weights(tail.model_copy(update={"cpu_moe_start": 0}))
 
 
 @pytest.mark.unit
@@ -59,6 +63,7 @@ def test_placement_settings_read_as_llama_server_writes_them() -> None:
     ({"override_tensor": "ffn=GPU0"}, "unknown buffer type 'GPU0'"),
     ({"override_tensor": "ffn=cpu"}, "unknown buffer type 'cpu'"),
     ({"n_cpu_moe": -1}, "n_cpu_moe"),
+    ({"cpu_moe_start": -1}, "cpu_moe_start"),
     ({"tensor_split": [1, -1]}, "tensor_split"),
     ({"split_mode": "diagonal"}, "split_mode"),
 ])
@@ -76,7 +81,14 @@ def test_llama_server_gets_the_same_placement_flags() -> None:
     joined = " ".join(flags)
     assert "--n-cpu-moe 3" in joined and "-ot exps=CPU" in joined and "-nkvo" in flags
     assert "-sm none" in joined and "-mg 1" in joined and "-ts 1,1" in joined
+    assert joined.index("-ot exps=CPU") < joined.index("--n-cpu-moe")  # llama-server applies them in this order
     assert TensorOverride.parse("a=b=CPU") == TensorOverride("a=b", "CPU")  # the last '=' splits, as -ot's
+    # from another layer on: --n-cpu-moe's patterns for those layers as one -ot list, after the others
+    tail = llama_server_flags(EngineConfig(n_cpu_moe=2, cpu_moe_start=5, override_tensor=["exps=CPU"]))
+    assert "--n-cpu-moe" not in tail and tail.count("-ot") == 2
+    assert tail[tail.index("-ot") + 2:tail.index("-ot") + 4] == [
+        "-ot", f"{EXPERTS_OF_LAYER.format(layer=5)}=CPU,{EXPERTS_OF_LAYER.format(layer=6)}=CPU"]
+    assert "," not in EXPERTS_OF_LAYER  # llama-server splits an -ot value at commas
 
 
 # -- the memory model --------------------------------------------------------------------------------
@@ -97,6 +109,8 @@ def test_the_memory_model_places_experts_layers_and_kv_as_llama_cpp_does(tiny_mo
         moved = place_weights(shape, EngineConfig(model=tiny_moe, n_cpu_moe=n))
         assert moved.host - everything.host == sum(experts_of[:n]) == everything.gpu - moved.gpu
         assert moved.gpu_layers == 4  # attention and K/V stay on the GPU
+        last = place_weights(shape, EngineConfig(model=tiny_moe, n_cpu_moe=n, cpu_moe_start=4 - n))
+        assert last.host - everything.host == sum(experts_of[4 - n:])  # the last n layers' experts instead
     config = EngineConfig(model=tiny_moe, n_ctx=1024, n_parallel=1, override_tensor=["ffn_.*_exps=CPU"])
     assert place_weights(shape, config).host == shape.token_embd_bytes + shape.expert_bytes
     # n_gpu_layers counts the output layer as one more: 2 puts block 3 and the output layer on the GPU
@@ -125,7 +139,7 @@ def test_thread_choices_are_all_one_fewer_and_half() -> None:
 def test_placement_is_set_only_when_the_budget_needs_it_and_fills_what_the_rest_leaves(tiny_moe: Path) -> None:
     """Placement appears only when the smallest config does not fit; each point's placement is then the most of
     the model that fits beside its other settings (fewer experts moved with a smaller cache), never drawn."""
-    from tuning.fit import fewest_expert_layers, most_layers
+    from tuning.fit import ExpertEnd, fewest_expert_layers, most_layers
     from tuning.memory import ModelShape, predict
     from tuning.search import cheapest_config, placement_search
     from tuning.space import PlacementFit, PlacementKnob, PlacementSearch, SearchSpace, suggest, to_engine_config
@@ -138,7 +152,7 @@ def test_placement_is_set_only_when_the_budget_needs_it_and_fills_what_the_rest_
     assert placement_search(shape, base, need - 1, False, space, 1024, 16) is None  # on the CPU nothing to move
     fit = PlacementFit(shape, base, need - 1)
     assert placement_search(shape, base, need - 1, True, space, 1024, 16) == \
-        PlacementSearch(fit, (2, 4))  # the space's thread counts
+        PlacementSearch(fit, (2, 4), (ExpertEnd.first, ExpertEnd.last))  # the space's thread counts and ends
     dense = ModelShape(**{**shape.__dict__, "n_expert": 0, "n_expert_used": 0})
     dense_need = predict(dense, cheapest_config(base, space, 1024), on_gpu=True).total  # no expert scratch
     dense_fit = PlacementFit(dense, base, dense_need - 1)
@@ -173,7 +187,19 @@ def test_placement_is_set_only_when_the_budget_needs_it_and_fills_what_the_rest_
     assert "n_threads" not in suggest(Trial(), space, [1024], PlacementSearch(dense_fit))
     assert "n_cpu_moe" not in suggest(Trial(), space, [1024], None)  # no placement: none of its settings
     assert fit.knob is PlacementKnob.experts and dense_fit.knob is PlacementKnob.layers
-    assert PlacementFit(shape, base, 1)(drawn["q4_0"]) == shape.n_layer  # nothing fits: the least on the GPU
+    assert PlacementFit(shape, base, 1)(drawn["q4_0"]) == {"n_cpu_moe": shape.n_layer, "cpu_moe_start": 0}
+    # the ends searched: the same count of layers, from the first layer or up to the last
+    all_in, all_out = (predict(shape, small_point.model_copy(update={"n_gpu_layers": -1, "n_cpu_moe": n}),
+                               on_gpu=True).total for n in (0, shape.n_layer))
+    ends = PlacementSearch(PlacementFit(shape, base, (all_in + all_out) // 2), (2, 4),
+                           (ExpertEnd.first, ExpertEnd.last))
+    first, last = (suggest(Trial(expert_end=end, **small_cache), space, [1024, 8192], ends)
+                   for end in ("first", "last"))
+    assert 0 < first["n_cpu_moe"] == last["n_cpu_moe"] < shape.n_layer
+    assert first["cpu_moe_start"] == 0 and last["cpu_moe_start"] == shape.n_layer - last["n_cpu_moe"]
+    engine_config = to_engine_config({**last, "expert_end": "last"}, base)  # a trial's settings carry the draw
+    assert [str(o) for o in engine_config.expert_overrides()][-1] == EXPERTS_OF_LAYER.format(layer=3) + "=CPU"
+    assert predict(shape, engine_config, on_gpu=True).total <= ends.fit.budget
 
 
 @pytest.mark.engine
@@ -197,8 +223,8 @@ def test_a_config_over_the_ram_budget_is_refused_before_it_loads(tiny_moe: Path)
 
 # -- a tiny mixture of experts, loaded ---------------------------------------------------------------
 @pytest.mark.engine
-@pytest.mark.parametrize("placement", [{}, {"n_cpu_moe": 2}, {"override_tensor": ["ffn_.*_exps=CPU"]},
-                                       {"kv_offload": False}])
+@pytest.mark.parametrize("placement", [{}, {"n_cpu_moe": 2}, {"n_cpu_moe": 2, "cpu_moe_start": 2},
+                                       {"override_tensor": ["ffn_.*_exps=CPU"]}, {"kv_offload": False}])
 def test_a_tiny_moe_loads_and_generates_with_its_experts_placed(tiny_moe: Path, placement: dict[str, Any]) -> None:
     from serving.engine import Engine
     from serving.request import FinishReason, SamplingParams
@@ -226,7 +252,7 @@ def test_a_buffer_type_this_build_lacks_is_refused_with_the_ones_it_has(tiny_moe
 
 @pytest.mark.engine
 def test_what_fits_a_budget_is_the_most_layers_and_the_fewest_experts_moved(tiny_moe: Path) -> None:
-    from tuning.fit import fewest_expert_layers, most_layers
+    from tuning.fit import ExpertEnd, fewest_expert_layers, most_layers
     from tuning.memory import ModelShape, predict
 
     shape = ModelShape.from_gguf(tiny_moe)
@@ -242,6 +268,9 @@ def test_what_fits_a_budget_is_the_most_layers_and_the_fewest_experts_moved(tiny
     layers = most_layers(shape, config, tight)
     assert layers is not None and layers < shape.n_layer + 1
     assert fewest_expert_layers(shape, config, 1) is None and most_layers(shape, config, 1) is None
+    # from the last layer back: the same count where every layer's experts weigh the same, the last ones moved
+    assert fewest_expert_layers(shape, config, tight, ExpertEnd.last) == moved
+    assert ExpertEnd.last.start(shape, moved) == shape.n_layer - moved and ExpertEnd.first.start(shape, moved) == 0
 
 
 @pytest.mark.unit
@@ -255,6 +284,9 @@ def test_the_report_says_where_each_part_of_the_model_lived() -> None:
                                     mem_predicted=7 << 30, mem_budget=8 << 30, mem_host_predicted=12 << 30))]
     table = trial_table(rows)
     assert "host pred GiB" in table and "cpu-moe30 t16" in table and "| 12.00 |" in table
+    tail = TrialRow(1, TrialResult(params={**base, "n_cpu_moe": 30, "cpu_moe_start": 18, "expert_end": "last"},
+                                   n_ctx=4096, mem_predicted=7 << 30, mem_budget=8 << 30))
+    assert "cpu-moe30@18" in trial_table([tail])  # the last 30 of 48 layers' experts
     plain = trial_table([TrialRow(1, TrialResult(params=base, n_ctx=4096, mem_predicted=1, mem_budget=2))])
     assert "host pred" not in plain  # everything on the GPU: no column for it
     unified = TrialRow(2, TrialResult(params={**base, "kv_unified": True}, n_ctx=4096, mem_predicted=1, mem_budget=2))

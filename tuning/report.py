@@ -62,6 +62,7 @@ class TrialRow:
         label += " kvu" if p.get("kv_unified") else ""
         label += f" ngl{p['n_gpu_layers']}" if "n_gpu_layers" in p else ""
         label += f" cpu-moe{p['n_cpu_moe']}" if "n_cpu_moe" in p else ""
+        label += f"@{p['cpu_moe_start']}" if p.get("cpu_moe_start") else ""
         label += f" t{p['n_threads']}" if "n_threads" in p else ""
         return label + (f" spec-{p['spec_mode']}" if p.get("spec_mode", "off") != "off" else "")
 

@@ -215,12 +215,13 @@ def placement_search(shape: ModelShape, base: EngineConfig, budget: int, on_gpu:
     GPU and moves experts (per token it reads only the experts it is routed to, so this costs far less than
     moving whole layers); a dense model moves layers. With it, the threads for the CPU's share: the space's
     list, else (unless the base config sets them) the choices around `threads`, what the trial engines run by
-    default."""
+    default; for a mixture of experts, the space's ends to take the layers from."""
     smallest = cheapest_config(base, space, ctx)
     if not on_gpu or predict(shape, smallest, on_gpu).total <= budget:
         return None
     searched = tuple(space.n_threads) or (() if base.n_threads else thread_choices(threads))
-    return PlacementSearch(PlacementFit(shape, base, budget), searched)
+    fit = PlacementFit(shape, base, budget)
+    return PlacementSearch(fit, searched, tuple(space.expert_end)) if shape.n_expert else PlacementSearch(fit, searched)
 
 
 def cheapest_config(base: EngineConfig, space: SearchSpace, ctx: int) -> EngineConfig:

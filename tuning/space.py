@@ -4,10 +4,10 @@ Every point it proposes is a valid EngineConfig: n_ubatch is clamped to n_batch,
 flash attention on, context is searched per slot and never below `min_ctx_per_slot` (the tuner must not
 win by starving context), placement is set only when the weights do not fit the budget with the smallest
 config: then each point's placement is the most of the model its other settings leave room for (`PlacementFit`:
-for a mixture of experts the fewest layers whose experts live in host memory, `n_cpu_moe`; else the most layers
-on the GPU, `n_gpu_layers`), and `n_threads` for what the CPU computes is searched (the space's list, else
-`thread_choices`, unless the base config sets it), and
-speculative decoding (`spec_mode`) only when the space lists more than `off`, its draft bound and busy-slot
+for a mixture of experts the fewest layers whose experts live in host memory, `n_cpu_moe`, taken from the first
+layers or the last (`expert_end`, searched); else the most layers on the GPU, `n_gpu_layers`), and `n_threads`
+for what the CPU computes is searched (the space's list, else `thread_choices`, unless the base config sets it),
+and speculative decoding (`spec_mode`) only when the space lists more than `off`, its draft bound and busy-slot
 limit only for the configs that speculate (measure it with `--prompt-set both`: prompt lookup pays on text
 that copies its prompt).
 """
@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode
-from tuning.fit import fewest_expert_layers, most_layers
+from tuning.fit import ExpertEnd, expert_placement, fewest_expert_layers, most_layers
 from tuning.memory import ModelShape
 
 DEFAULT_SPACE_FILE = Path(__file__).resolve().parent.parent / "configs" / "search_space.yaml"
@@ -52,6 +52,10 @@ class SearchSpace(BaseModel):
     n_threads: list[int] = Field(default_factory=list, description="CPU threads to search when part of the "
                                  "model lives in host memory; [] = all, one fewer and half of an engine's "
                                  "default, unless the base config sets n_threads")
+    expert_end: list[ExpertEnd] = Field(default_factory=lambda: [ExpertEnd.first, ExpertEnd.last],
+                                        description="a mixture of experts that does not fit: which end of the "
+                                        "model the layers whose experts live in host memory come from; one "
+                                        "value = not searched")
 
     @field_validator("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "spec_draft_max", "spec_max_busy")
     @classmethod
@@ -73,6 +77,13 @@ class SearchSpace(BaseModel):
         if not values:
             raise ValueError("needs at least one value: [false], [true] or both")
         return sorted(set(values))
+
+    @field_validator("expert_end")
+    @classmethod
+    def _ends(cls, values: list[ExpertEnd]) -> list[ExpertEnd]:
+        if not values:
+            raise ValueError("needs at least one value: [first], [last] or both")
+        return list(dict.fromkeys(values))
 
     @field_validator("flash_attn", "spec_mode", mode="before")
     @classmethod
@@ -98,11 +109,15 @@ class SearchSpace(BaseModel):
         return allowed
 
 
+EXPERT_END = "expert_end"  # drawn, and in a trial's settings, but what the engine gets is n_cpu_moe and cpu_moe_start
+NOT_ENGINE_SETTINGS = frozenset({"ctx_per_slot", EXPERT_END})
+
+
 class PlacementKnob(str, Enum):
     """What moves between the GPU and host memory when the model does not fit."""
 
     layers = "n_gpu_layers"  # whole layers (a dense model)
-    experts = "n_cpu_moe"  # the expert tensors of the first N layers (a mixture of experts)
+    experts = "n_cpu_moe"  # the expert tensors of N layers (a mixture of experts), from one end (ExpertEnd)
 
 
 @dataclass(frozen=True)
@@ -122,23 +137,26 @@ class PlacementFit:
     def knob(self) -> PlacementKnob:
         return PlacementKnob.experts if self.shape.n_expert else PlacementKnob.layers
 
-    def __call__(self, params: dict[str, Any]) -> int:
-        """The placement for a point's settings (`suggest`'s names); where nothing fits, the least on the GPU,
-        which the trial then refuses as over the budget before it loads."""
+    def __call__(self, params: dict[str, Any], end: ExpertEnd = ExpertEnd.first) -> dict[str, int]:
+        """The placement's engine settings for a point's settings (`suggest`'s names), a mixture of experts'
+        layers taken from `end`; where nothing fits, the least on the GPU, which the trial then refuses as over
+        the budget before it loads."""
         config = to_engine_config(params, self.base)
         if self.knob is PlacementKnob.experts:
-            moved = fewest_expert_layers(self.shape, config, self.budget)
-            return self.shape.n_layer if moved is None else moved
-        return most_layers(self.shape, config, self.budget) or 0
+            moved = fewest_expert_layers(self.shape, config, self.budget, end)
+            return expert_placement(self.shape, self.shape.n_layer if moved is None else moved, end)
+        return {PlacementKnob.layers.value: most_layers(self.shape, config, self.budget) or 0}
 
 
 @dataclass(frozen=True)
 class PlacementSearch:
-    """Where a model that does not fit lives: each point's placement from `fit`, and the thread counts searched
-    with it (one: set, none: the base config's)."""
+    """Where a model that does not fit lives: each point's placement from `fit`, the thread counts searched
+    with it (one: set, none: the base config's), and for a mixture of experts the ends its layers are taken
+    from (more than one: searched)."""
 
     fit: PlacementFit
     threads: tuple[int, ...] = ()
+    ends: tuple[ExpertEnd, ...] = (ExpertEnd.first,)
 
 
 def thread_choices(threads: int) -> tuple[int, ...]:
@@ -152,7 +170,8 @@ def thread_choices(threads: int) -> tuple[int, ...]:
 
 def suggest(trial: Any, space: SearchSpace, contexts: list[int], placement: PlacementSearch | None) -> dict[str, Any]:
     """Define-by-run: draw one config's settings from `trial` (an optuna.Trial). Names match EngineConfig,
-    except ctx_per_slot, which `to_engine_config` turns into n_ctx."""
+    except ctx_per_slot, which `to_engine_config` turns into n_ctx, and the drawn expert_end (Ray Tune keeps every
+    drawn value in a trial's settings), which the placement has turned into n_cpu_moe and cpu_moe_start."""
     params: dict[str, Any] = {
         "n_parallel": trial.suggest_categorical("n_parallel", space.n_parallel),
         "n_batch": trial.suggest_categorical("n_batch", space.n_batch),
@@ -173,7 +192,10 @@ def suggest(trial: Any, space: SearchSpace, contexts: list[int], placement: Plac
             params["n_threads"] = trial.suggest_categorical("n_threads", list(placement.threads))
         elif placement.threads:
             params["n_threads"] = placement.threads[0]
-        params[placement.fit.knob.value] = placement.fit(params)
+        end = placement.ends[0]
+        if placement.fit.knob is PlacementKnob.experts and len(placement.ends) > 1:
+            end = ExpertEnd(trial.suggest_categorical(EXPERT_END, [e.value for e in placement.ends]))
+        params.update(placement.fit(params, end))
     if space.spec_mode != [SpecMode.off]:  # searched only when the space asks: it changes what is measured
         params["spec_mode"] = trial.suggest_categorical("spec_mode", [m.value for m in space.spec_mode])
     if params.get("spec_mode", SpecMode.off.value) != SpecMode.off.value:  # its settings matter only when on
@@ -195,7 +217,7 @@ class SpaceFunction:
 
 def to_engine_config(params: dict[str, Any], base: EngineConfig) -> EngineConfig:
     """Trial settings on top of the base config (model, threads, ...); n_ubatch clamped to n_batch."""
-    fields = {k: v for k, v in params.items() if k != "ctx_per_slot"}
+    fields = {k: v for k, v in params.items() if k not in NOT_ENGINE_SETTINGS}
     fields["n_ubatch"] = min(fields["n_ubatch"], fields["n_batch"])
     fields["n_ctx"] = params["ctx_per_slot"] * params["n_parallel"]
     return EngineConfig(**{**base.model_dump(exclude_none=True), **fields})
