@@ -408,6 +408,46 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def gap_rows(report: dict[str, Any]) -> list[tuple[str, PairedGap]]:
+    """Every TTFT gap of a report against the in-process engine, labelled: per target and level, then the
+    probe's per target (its interval worked out from the requests where the report predates it)."""
+    rows = [(f"{name}, {n} stream{'s' if n != '1' else ''}", PairedGap(**gap))
+            for name, levels in report["ttft_gap_ms"].items() for n, gap in levels.items() if gap]
+    probe = report.get("probe_ttft_ms") or {}
+    for name, values in probe.items():
+        gap = paired_gap(values, probe[IN_PROCESS]) if name != IN_PROCESS else None
+        if gap:
+            rows.append((f"{name}, probe", gap))
+    return rows
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Each TTFT gap against the in-process engine: the paired median, its 95% interval (thick) and quartiles
+    (thin), as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = gap_rows(report)
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.4))
+    for y, (_, gap) in enumerate(rows):
+        ax.plot([gap.q1, gap.q3], [y, y], color="grey", lw=1)
+        if gap.ci_low is not None and gap.ci_high is not None:
+            ax.plot([gap.ci_low, gap.ci_high], [y, y], color="tab:blue", lw=5, solid_capstyle="butt")
+        ax.plot([gap.median], [y], "o", color="black")
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("TTFT minus the engine in process, ms (paired)")
+    prov = report.get("provenance", {})
+    ax.set_title(f"The HTTP path's TTFT: median (dot), 95% interval (thick), quartiles (thin)\n"
+                 f"{prov.get('cpu', '')} {prov.get('commit', '')} {prov.get('date', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def print_tables(report: dict[str, Any]) -> None:
     print(table(report))
     if report.get("probe_ttft_ms"):
@@ -466,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--load-timeout", type=float, default=300.0)
     p.add_argument("--json-out", type=Path)
     p.add_argument("--from-json", type=Path, help="print the table of a saved run instead of measuring")
+    p.add_argument("--plot", type=Path, help="each TTFT gap with its interval and quartiles, as PNG")
     args = p.parse_args(argv)
     if args.pause_ms < 0:
         p.error("--pause-ms must be 0 or more")
@@ -475,7 +516,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(set(names)) < len(names):
         p.error(f"every target needs a name of its own: {', '.join(names)}")
     if args.from_json:
-        print_tables(with_paired_ratios(json.loads(args.from_json.read_text())))
+        saved = with_paired_ratios(json.loads(args.from_json.read_text()))
+        print_tables(saved)
+        if args.plot:
+            plot(saved, args.plot)
         return 0
     if not args.variant and not args.server and not args.direct and not args.local:
         p.error("give at least one --variant, --direct, --server or --local")
@@ -485,6 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_tables(report)
     if args.json_out:
         write_report(args.json_out, report)
+    if args.plot:
+        plot(report, args.plot)
     return 0
 
 

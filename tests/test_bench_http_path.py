@@ -110,3 +110,19 @@ def test_the_probe_pauses_before_each_request_and_takes_the_targets_in_each_orde
     records = asyncio.run(bench.first_token_probe([Fake("a"), Fake("b")], 2, 0.05))
     assert events == ["a", "b", "pause 0.05", "a", "pause 0.05", "b", "pause 0.05", "b", "pause 0.05", "a"]
     assert [r.request_id for r in records["a"]] == ["Request 1.", "Request 2."]
+
+
+def test_the_plot_draws_every_gap_of_a_saved_run_levels_then_the_probe(bench, tmp_path) -> None:  # noqa: ANN001
+    """`--plot` with `--from-json`: the committed CPU run (two servers, two levels, the probe) as PNG."""
+    import json
+
+    report = bench.with_paired_ratios(json.loads(
+        (bench.REPO_ROOT / "docs" / "results" / "cpu_http_ci" / "bench_http_path_llama_server.json").read_text()))
+    rows = bench.gap_rows(report)
+    assert [label for label, _ in rows] == [
+        "llama-server, 1 stream", "llama-server, 4 streams", "direct-engine, 1 stream", "direct-engine, 4 streams",
+        "llama-server, probe", "direct-engine, probe"]
+    probe = dict(rows)["direct-engine, probe"]
+    assert probe.rounds == 192 and probe.ci_low is not None and probe.ci_low <= probe.median <= probe.ci_high
+    bench.plot(report, tmp_path / "gaps.png")
+    assert (tmp_path / "gaps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
