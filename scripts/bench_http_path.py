@@ -172,6 +172,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             serve_app.stop_serve()
     stamps = load_stamps(stamps_dir) if stamps_dir else {}
     reference = results[IN_PROCESS]
+    probed = {name: [stream_figures(r) for r in records] for name, records in probe.items()}
     return {"provenance": provenance(), "engine_config": config.to_yaml_dict(),
             "variants": {v.name: {"args": v.args, "env": v.env} for v in args.variant},
             "servers": dict(args.server),
@@ -187,10 +188,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                               for name, levels in results.items() if name != IN_PROCESS},
             "ttft_gap_ms": ttft_gaps({name: {n: level.rounds for n, level in levels.items()}
                                       for name, levels in results.items()}),
-            "probe_ttft_ms": {name: [stream_figures(r).ttft_s * 1000 for r in records]
-                              for name, records in probe.items()},
-            "probe_engine_ttft_ms": {name: [_ms(stream_figures(r).engine_ttft_s) for r in records]
-                                     for name, records in probe.items()},
+            "probe_ttft_ms": {name: [f.ttft_s * 1000 for f in figures] for name, figures in probed.items()},
+            "probe_engine_ttft_ms": {name: [_ms(f.engine_ttft_s) for f in figures] for name, figures in probed.items()},
             "server_trace": args.server_trace,
             "trace": {name: [[asdict(stream) for stream in traced_round(records, stamps)] for records in rounds]
                       for name, rounds in trace.items()},
@@ -338,6 +337,12 @@ def parts_table(trace: dict[str, list[list[dict[str, Any]]]]) -> str:
     return "\n".join(lines)
 
 
+def probe_gaps(probe: dict[str, list[float]]) -> dict[str, PairedGap]:
+    """Each target's probe TTFT against the engine in-process, request by request."""
+    gaps = {name: paired_gap(values, probe[IN_PROCESS]) for name, values in probe.items() if name != IN_PROCESS}
+    return {name: gap for name, gap in gaps.items() if gap is not None}
+
+
 def probe_table(probe: dict[str, list[float]], own: dict[str, list[float | None]] | None = None) -> str:
     """The probe's TTFT per target, and each against the engine in-process request by request; with the
     engine's own TTFT of each request (`own`, reports since it was kept), the path's share: TTFT minus it,
@@ -345,10 +350,12 @@ def probe_table(probe: dict[str, list[float]], own: dict[str, list[float | None]
     lines = ["| target | requests | TTFT ms (median) | engine's own ms (median) | the path's ms (median) "
              "| TTFT - in-process ms: paired median [quartiles] (95% CI of the median) |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    gaps = probe_gaps(probe)
     for name, values in probe.items():
-        gap = paired_gap(values, probe[IN_PROCESS]) if name != IN_PROCESS else None
-        engine = [v for v in (own or {}).get(name, []) if v is not None]
-        paths = [t - e for t, e in zip(values, (own or {}).get(name, []), strict=False) if e is not None]
+        gap = gaps.get(name)
+        own_values = (own or {}).get(name, [])
+        engine = [v for v in own_values if v is not None]
+        paths = [t - e for t, e in zip(values, own_values, strict=False) if e is not None]
         lines.append(f"| {name} | {len(values)} | {statistics.median(values):.1f} "
                      f"| {f'{statistics.median(engine):.1f}' if engine else '-'} "
                      f"| {f'{statistics.median(paths):.1f}' if paths else '-'} | {gap.text() if gap else '-'} |")
@@ -413,11 +420,7 @@ def gap_rows(report: dict[str, Any]) -> list[tuple[str, PairedGap]]:
     probe's per target (its interval worked out from the requests where the report predates it)."""
     rows = [(f"{name}, {n} stream{'s' if n != '1' else ''}", PairedGap(**gap))
             for name, levels in report["ttft_gap_ms"].items() for n, gap in levels.items() if gap]
-    probe = report.get("probe_ttft_ms") or {}
-    for name, values in probe.items():
-        gap = paired_gap(values, probe[IN_PROCESS]) if name != IN_PROCESS else None
-        if gap:
-            rows.append((f"{name}, probe", gap))
+    rows += [(f"{name}, probe", gap) for name, gap in probe_gaps(report.get("probe_ttft_ms") or {}).items()]
     return rows
 
 
