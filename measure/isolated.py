@@ -6,7 +6,7 @@ phase only. The parent reads memory while the child waits, loaded and idle, befo
 
 Protocol: the child prints tagged JSON lines on stdout (`loaded`, `done`, `error`) and waits for a line on
 stdin (`go`, then `exit`) between them. `loaded` carries the buffers llama.cpp said it allocated
-(serving/buffers.py), beside which the memory model's terms can be checked one by one.
+(serving/engine/buffers.py), beside which the memory model's terms can be checked one by one.
 """
 
 from __future__ import annotations
@@ -97,12 +97,12 @@ def _emit(message: dict[str, Any]) -> None:
 
 async def _child(spec: dict[str, Any]) -> int:
     """Load the engine, say so, wait for 'go', run the workload, report, wait for 'exit'."""
-    from serving import llama as _llama  # noqa: F401  (first: the library load order, see serving/llama.py)
+    from serving.engine import llama as _llama  # noqa: F401  (first: the library load order, see serving/engine/llama.py)
     from measure.targets import EngineTarget
     from measure.workload import PromptSet, Runner, Workload
-    from serving.buffers import llama_buffers
-    from serving.config import EngineConfig
-    from serving.engine import Engine
+    from serving.engine.buffers import llama_buffers
+    from serving.engine.config import EngineConfig
+    from serving.engine.core import Engine
 
     try:
         config = EngineConfig(**spec["engine"])

@@ -2,7 +2,7 @@
 
 A `TrafficWorkload` is a list of request shapes (prompt tokens, how many of them are a prefix shared with
 other requests, output tokens, choices, greedy or sampled, arrival time), never text: from the serving app's
-own record (`GET /traffic`, serving/traffic.py), from a JSONL file, or built in (`chat`, `rag`, `agent`).
+own record (`GET /traffic`, serving/engine/traffic.py), from a JSONL file, or built in (`chat`, `rag`, `agent`).
 
 Replaying one builds each prompt as token ids of the recorded length: a shared prefix (the same tokens for
 every request of its prefix group, so a slot's prefix cache finds it as the service's did) then tokens of its
@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from measure.metrics import StreamRecord, completion_tokens_of, percentile, stream_figures
 from measure.slo import Latency, RequestLatency, Slo, SloOutcome, Spread, evaluate, samples, spread
-from serving.traffic import RequestKind, RequestShape
+from serving.engine.traffic import RequestKind, RequestShape
 
 DEFAULT_CONCURRENCY = 4  # the mission's 4 concurrent streams
 DEFAULT_REQUESTS = 64

@@ -24,7 +24,7 @@ def start_serve(num_gpus: int, preload: str | None) -> int:
     Replicas are Ray worker processes: they inherit this environment, so the repository goes on PYTHONPATH
     (the GPU machine's copy is not pip-installed). `preload` puts libllama.so into the workers' LD_PRELOAD:
     a Ray worker imports numpy before our code runs, the order that crashed a large-vocab load on the GPU
-    machine (serving/llama.py).
+    machine (serving/engine/llama.py).
     """
     import ray
     from ray import serve

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 from measure.metrics import StreamRecord
 from measure.sse import SSEDecoder, StreamError, interpret_chunk
 from measure.workload import Prompt
-from serving.config import EngineConfig, SplitMode
-from serving.repack import llama_server_args
-from serving.request import SamplingParams
+from serving.engine.config import EngineConfig, SplitMode
+from serving.engine.repack import llama_server_args
+from serving.engine.request import SamplingParams
 
 if TYPE_CHECKING:  # imported where an engine is built: the HTTP and llama-server helpers need no libllama
-    from serving.engine import Engine
-    from serving.request import GenerationChunk
+    from serving.engine.core import Engine
+    from serving.engine.request import GenerationChunk
 
 MAX_CONNECTIONS = 64
 LOOPBACK_NAMES = ("localhost",)
@@ -114,7 +114,7 @@ class EngineTarget:
 @contextlib.contextmanager
 def loaded_engine(config: EngineConfig, name: str = "in-process", text_only: bool = False) -> Any:
     """An EngineTarget on a freshly loaded engine, closed afterwards."""
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     engine = Engine(config)
     try:
@@ -178,7 +178,7 @@ class HttpTarget:
     async def run_stream(self, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> StreamRecord:
         """POST one streaming request and timestamp every SSE event as it arrives."""
         path, body = self._body(prompt, max_tokens, ignore_eos)
-        rid = uuid.uuid4().hex  # the server's logs and stamps (serving/http.py) name the request by it
+        rid = uuid.uuid4().hex  # the server's logs and stamps (serving/front/http.py) name the request by it
         record = StreamRecord(t_start=time.perf_counter(), request_id=rid)
 
         async def sent(event: str, _: dict[str, Any]) -> None:  # httpcore's trace of this request
@@ -223,7 +223,7 @@ class HttpTarget:
 
 def repack_server_args(config: EngineConfig, server_args: Sequence[str]) -> list[str]:
     """`--no-repack` for llama-server wherever our engine would load without the CPU weight repack
-    (`cpu_repack`; `auto` = serving/repack.py's per-machine probe), so both peers run the same kernels and
+    (`cpu_repack`; `auto` = serving/engine/repack.py's per-machine probe), so both peers run the same kernels and
     neither crashes on a CPU whose repack path faults. A repack flag of the caller's own wins."""
     if any(a.split("=")[0] in REPACK_FLAGS for a in server_args):
         return []

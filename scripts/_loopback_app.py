@@ -90,7 +90,7 @@ class LoopbackApp:
     def start(self, timeout_s: float = 300.0) -> float:
         """Start Ray, Serve and the app; return the seconds until /health answered 200."""
         os.environ.pop("RAY_ADDRESS", None)
-        from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
+        from serving.engine import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/engine/llama.py)
         import ray
         from ray import serve
 
@@ -169,7 +169,7 @@ class LoopbackApp:
 
     def publish_config(self, engine: dict[str, Any], timeout_s: float = 180.0) -> Any:
         """Publish an engine config live (as the tuner's write-back does) and wait for every replica's ack."""
-        from serving.config import EngineConfig
+        from serving.engine.config import EngineConfig
         from tuning.writeback import apply_to_serve
 
         return apply_to_serve(EngineConfig(**engine), app_name=APP_NAME, timeout_s=timeout_s)

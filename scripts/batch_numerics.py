@@ -28,12 +28,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
+from serving.engine.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
 from measure.provenance import provenance  # noqa: E402
 from measure.workload import source_text  # noqa: E402
-from serving.config import EngineConfig  # noqa: E402
-from serving.config import default_threads  # noqa: E402
-from serving.repack import use_extra_bufts  # noqa: E402
+from serving.engine.config import EngineConfig  # noqa: E402
+from serving.engine.config import default_threads  # noqa: E402
+from serving.engine.repack import use_extra_bufts  # noqa: E402
 
 SETTINGS = ("f16/f16:auto", "f16/f16:off", "q8_0/q8_0:on", "q8_0/f16:on")  # type_k/type_v:flash_attn
 PROMPT_CELLS = (200, 700)  # below and above the 512 cells where CPU flash attention splits a lone row

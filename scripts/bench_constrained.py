@@ -15,7 +15,7 @@ Reported per mode: median decode
 tok/s of a single stream (after its first token) constrained and unconstrained, ms per token, the median of the
 per-round ratios (the twin runs right after its constrained run), and how often the grammar rejected the
 model's own choice (then a guide samples from its mask; GBNF checks the best candidates one by one,
-serving/llama.py). Greedy; each round alternates the order.
+serving/engine/llama.py). Greedy; each round alternates the order.
 
 With `--llama-server BINARY`, llama-server (same model, one slot) gets the same requests through its own API
 (`response_format` json_object and json_schema; the forced tool call as the same rendered prompt and the same
@@ -59,17 +59,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
+from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
 from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter  # noqa: E402  (pure Python: GBNF, the reference)
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import llama_server, llama_server_flags  # noqa: E402
-from serving.config import EngineConfig  # noqa: E402
-from serving.engine import Engine  # noqa: E402
-from serving.request import (Constraint, ConstraintKind, FinishReason, GenerationChunk, SamplingParams,  # noqa: E402
+from serving.engine.config import EngineConfig  # noqa: E402
+from serving.engine.core import Engine  # noqa: E402
+from serving.engine.request import (Constraint, ConstraintKind, FinishReason, GenerationChunk, SamplingParams,  # noqa: E402
                              Usage)
-from serving.structured import (ANSWER_BOUNDS, CALL_BOUNDS, bounded, json_schema_guide,  # noqa: E402
+from serving.openai.structured import (ANSWER_BOUNDS, CALL_BOUNDS, bounded, json_schema_guide,  # noqa: E402
                                 response_format_guide, tool_call_guide)
-from serving.tools import messages_for_plain_template  # noqa: E402
+from serving.openai.tools import messages_for_plain_template  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
                                            "age": {"type": "integer"}, "city": {"type": "string", "maxLength": 40},
@@ -193,8 +193,8 @@ def run(engine: Engine, text: str, constraint: Constraint | None, tools: bool, n
 
 
 def _parts() -> dict[str, tuple[Any, str]]:
-    from serving.llama import LlamaContext, SamplerChain
-    from serving.scheduler import Scheduler
+    from serving.engine.llama import LlamaContext, SamplerChain
+    from serving.engine.scheduler import Scheduler
 
     return {"step": (Scheduler, "step"), "decode": (LlamaContext, "decode"), "sample": (SamplerChain, "sample"),
             "greedy": (LlamaContext, "greedy"), "emit": (Engine, "_emit")}

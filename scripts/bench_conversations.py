@@ -44,7 +44,7 @@ if str(REPO_ROOT) not in sys.path:
 from measure.metrics import StreamRecord  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.workload import Prompt, source_text  # noqa: E402
-from serving.config import EngineConfig, load_engine_config  # noqa: E402
+from serving.engine.config import EngineConfig, load_engine_config  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "results" / "bench_conversations.json"
 CHARS_PER_TOKEN = 3.5  # this project's source as text, in SmolLM2's and Qwen's tokenizers: about 3-4
@@ -203,9 +203,9 @@ def peer_args(config: EngineConfig, server_args: str, cache_mib: int) -> list[st
     return flags + repack_server_args(config, flags)
 
 async def measure_all(args: argparse.Namespace, config: EngineConfig) -> dict[str, list[Turn]]:
-    from serving import llama as _llama  # noqa: F401  (first: the library load order, see serving/llama.py)
+    from serving.engine import llama as _llama  # noqa: F401  (first: the library load order, see serving/engine/llama.py)
     from measure.targets import EngineTarget, HttpTarget, llama_server
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     shape = (args.conversations, args.turns, args.history_tokens, args.answer_tokens, args.think_ms / 1000)
     results: dict[str, list[Turn]] = {}

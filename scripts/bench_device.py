@@ -40,7 +40,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
+from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -59,7 +59,7 @@ from measure.isolated import child_engine  # noqa: E402
 from measure.provenance import provenance  # noqa: E402
 from measure.targets import llama_server, llama_server_flags, llama_server_version  # noqa: E402
 from measure.workload import Runner, Workload  # noqa: E402
-from serving.config import EngineConfig, embedded_model_path, load_engine_config  # noqa: E402
+from serving.engine.config import EngineConfig, embedded_model_path, load_engine_config  # noqa: E402
 from tuning.memory import MiB, ModelShape, parse_bytes, predict  # noqa: E402
 
 SINGLE, MULTI = 1, 4
@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-in-process", action="store_true")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--serve-preload-libllama", action="store_true",
-                   help="LD_PRELOAD libllama.so into Ray's workers (libllama before numpy; see serving/llama.py)")
+                   help="LD_PRELOAD libllama.so into Ray's workers (libllama before numpy; see serving/engine/llama.py)")
     p.add_argument("--bw-gib", type=float, help="bandwidth buffer size (default 4 GiB on GPU, 1 GiB on CPU)")
     p.add_argument("--bw-repeats", type=int, default=20, help="timed copies after warm-up (median)")
     p.add_argument("--load-timeout", type=float, default=600.0, help="seconds for a model to load / a server start")

@@ -27,7 +27,7 @@ process of its own (measure/clients.py), as separate programs would, and `--clie
 both ways in the same rounds (the second named NAME+procs).
 
 `--server-trace` has our apps stamp each request as it reaches the app, is handed to the engine and has its first
-bytes written ($LLAMA_SERVE_TUNE_HTTP_TRACE, serving/http.py), and splits each traced stream's TTFT (`--trace`,
+bytes written ($LLAMA_SERVE_TUNE_HTTP_TRACE, serving/front/http.py), and splits each traced stream's TTFT (`--trace`,
 and every probe request's, `--probe`) into the client's send, the way in to the app (the HTTP server and Serve),
 the app's own work, the engine's TTFT, the way out to the first write and to the client: on one host every
 process reads one monotonic clock.
@@ -61,7 +61,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
+from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
 from measure import serve_app  # noqa: E402
 from measure.clients import ProcessClients  # noqa: E402
 from measure.cluster import ClusterApp, LocalCluster, direct_ingress_settings, direct_url  # noqa: E402
@@ -72,8 +72,8 @@ from measure.metrics import (  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import HttpTarget, free_loopback_port, loaded_engine  # noqa: E402
 from measure.workload import Prompt, PromptSet, Runner, Target, Workload, round_order  # noqa: E402
-from serving.config import load_engine_config  # noqa: E402
-from serving.http import TRACE_ENV  # noqa: E402
+from serving.engine.config import load_engine_config  # noqa: E402
+from serving.front.http import TRACE_ENV  # noqa: E402
 
 IN_PROCESS = "in-process"
 PROCS = "+procs"  # the suffix of a server's target whose streams come from client processes (--clients both)
@@ -264,7 +264,7 @@ async def stream_trace(runner: Runner, targets: Sequence[Target], rounds: int) -
 
 
 def load_stamps(directory: Path) -> dict[str, dict[str, Any]]:
-    """The apps' request stamps (serving/http.py StampLog), by request id."""
+    """The apps' request stamps (serving/front/http.py StampLog), by request id."""
     stamps: dict[str, dict[str, Any]] = {}
     for path in sorted(directory.glob("*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
@@ -492,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="also N one-token requests of a few-token prompt per target, one at a time: the TTFT the "
                         "path adds where no prefill hides it (default 0: none)")
     p.add_argument("--server-trace", action="store_true",
-                   help="our apps (--direct, --variant) stamp each request (serving/http.py); the traced rounds "
+                   help="our apps (--direct, --variant) stamp each request (serving/front/http.py); the traced rounds "
                         "(--trace) and the probe (--probe) then show where each stream's TTFT went, part by part")
     p.add_argument("--trace", type=int, default=0, metavar="N",
                    help="also N rounds of the largest level per target, each stream's TTFT and the engine's own "

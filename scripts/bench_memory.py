@@ -4,7 +4,7 @@
 Why: the tuner refuses a config predicted over the budget without loading it, so the prediction decides which
 placements are tried at all; a term that over-predicts leaves layers off the GPU, one that under-predicts lets
 a config through that does not fit. This loads our engine at each config and reads llama.cpp's own buffer
-sizes from its load log (serving/buffers.py: weights, K/V, compute), beside the prediction of each, and prints
+sizes from its load log (serving/engine/buffers.py: weights, K/V, compute), beside the prediction of each, and prints
 their ratios. On a CPU-only build the GPU terms are not exercised; scripts/bench_device.py records the same
 buffers for every placement it loads on a GPU.
 
@@ -30,11 +30,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
+from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
 from measure.provenance import provenance, write_report  # noqa: E402
-from serving.buffers import llama_buffers  # noqa: E402
-from serving.config import CpuRepack, EngineConfig, FlashAttn, embedded_model_path  # noqa: E402
-from serving.engine import Engine  # noqa: E402
+from serving.engine.buffers import llama_buffers  # noqa: E402
+from serving.engine.config import CpuRepack, EngineConfig, FlashAttn, embedded_model_path  # noqa: E402
+from serving.engine.core import Engine  # noqa: E402
 from tuning.memory import MiB, ModelShape, predict  # noqa: E402
 
 DEFAULT_CONFIGS = ("32/1/2048/on", "128/1/2048/on", "512/1/2048/on", "512/2/2048/on", "256/1/8192/on",

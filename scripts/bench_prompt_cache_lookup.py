@@ -28,7 +28,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from measure.provenance import provenance, write_report  # noqa: E402
-from serving.prompt_cache import PromptCache  # noqa: E402
+from serving.engine.prompt_cache import PromptCache  # noqa: E402
 
 TEMPLATE_TOKENS = 30  # a chat template's opening, shared by every prompt (SmolLM2's system turn is ~30 tokens)
 

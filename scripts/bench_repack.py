@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CPU weight repack on vs off: prefill and decode speed through our engine, interleaved.
 
-Why: llama.cpp's CPU extra buffer types (serving/repack.py) change the matmul kernels on the CPU, and
+Why: llama.cpp's CPU extra buffer types (serving/engine/repack.py) change the matmul kernels on the CPU, and
 `cpu_repack: auto` turns them off wherever a probe crashed. This measures what that costs, per weight type:
 both engines (cpu_repack=on and cpu_repack=off) are loaded side by side, the same requests alternate between
 them (on off, off on, ...) so drift on a shared machine hits both alike, and the median of each is reported.
@@ -29,11 +29,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
-from serving.config import CpuRepack, EngineConfig  # noqa: E402
-from serving.engine import Engine  # noqa: E402
-from serving.buffers import llama_buffers  # noqa: E402
-from serving.request import SamplingParams  # noqa: E402
+from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
+from serving.engine.config import CpuRepack, EngineConfig  # noqa: E402
+from serving.engine.core import Engine  # noqa: E402
+from serving.engine.buffers import llama_buffers  # noqa: E402
+from serving.engine.request import SamplingParams  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 
 MODES = (CpuRepack.on, CpuRepack.off)

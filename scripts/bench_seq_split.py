@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What a decode step costs by WHICH slots it carries, not only how many: one token each for a set of sequence
-ids, through the engine's own context (serving/llama.py, one K/V stream per slot, kv_unified off).
+ids, through the engine's own context (serving/engine/llama.py, one K/V stream per slot, kv_unified off).
 
 llama.cpp puts a batch's rows in one micro-batch only for consecutive sequence ids, in order
 (llama_batch_allocr::split_equal, `sequential`): rows for slots 0 and 2 run as two graph evaluations. This
 measures that: median ms per decode for each slot set, and its ratio to one slot. The scheduler keeps busy
-slots consecutive because of it (serving/scheduler.py, `_pick_slot`).
+slots consecutive because of it (serving/engine/scheduler.py, `_pick_slot`).
 
     python scripts/bench_seq_split.py --model big.gguf --depth 256 --repeats 7 --out results/bench_seq_split.json
 """
@@ -23,11 +23,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
+from serving.engine.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
 from measure.provenance import provenance, write_report  # noqa: E402
-from serving.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
-from serving.config import default_threads  # noqa: E402
-from serving.repack import use_extra_bufts  # noqa: E402
+from serving.engine.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
+from serving.engine.config import default_threads  # noqa: E402
+from serving.engine.repack import use_extra_bufts  # noqa: E402
 
 SETS: tuple[tuple[int, ...], ...] = ((0,), (0, 1), (0, 2), (0, 3), (1, 2), (0, 1, 2, 3))
 BURST = 4  # decodes per set and round after a dropped first one (a new batch shape costs once)

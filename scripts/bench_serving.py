@@ -26,13 +26,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
+from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
 from measure.metrics import RoundFigures, ratios  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.sse import StreamError  # noqa: E402
 from measure.targets import HttpTarget, llama_server, loaded_engine, repack_server_args  # noqa: E402
 from measure.workload import Level, PromptSet, Runner, Target, Workload  # noqa: E402
-from serving.config import EngineConfig, load_engine_config  # noqa: E402
+from serving.engine.config import EngineConfig, load_engine_config  # noqa: E402
 
 PAIRS = (("ours", "llama-server"), ("in-process", "llama-server"), ("ours", "in-process"))
 

@@ -34,13 +34,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/llama.py)
+from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
 from _loopback_app import parse_overrides  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import EngineTarget  # noqa: E402
 from measure.workload import PromptSet, Runner, Workload  # noqa: E402
-from serving.config import EngineConfig, SpecMode  # noqa: E402
-from serving.engine import Engine  # noqa: E402
+from serving.engine.config import EngineConfig, SpecMode  # noqa: E402
+from serving.engine.core import Engine  # noqa: E402
 
 
 OFF = "off"

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from measure.provenance import provenance, write_report  # noqa: E402
-from serving.prompt_cache import PromptCache  # noqa: E402
+from serving.engine.prompt_cache import PromptCache  # noqa: E402
 
 TICK_S = 0.0005
 

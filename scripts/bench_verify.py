@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What verifying k guessed tokens of ONE sequence costs: one llama_decode of k rows at a given depth, through
-the engine's own context (serving/llama.py), against one row. The figure speculative decoding lives on:
+the engine's own context (serving/engine/llama.py), against one row. The figure speculative decoding lives on:
 t(k) / t(1) rows -> how many accepted guesses pay for a verify.
 
     python scripts/bench_verify.py --model big.gguf --depth 512 --repeats 7 --out results/bench_verify.json
@@ -24,11 +24,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
+from serving.engine.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
 from measure.provenance import provenance, write_report  # noqa: E402
-from serving.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
-from serving.config import default_threads  # noqa: E402
-from serving.repack import use_extra_bufts  # noqa: E402
+from serving.engine.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
+from serving.engine.config import default_threads  # noqa: E402
+from serving.engine.repack import use_extra_bufts  # noqa: E402
 
 
 BURST = 4  # decodes per k and round after the dropped first one

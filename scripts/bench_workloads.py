@@ -38,7 +38,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 # Only modules that load neither libllama nor Ray up here: the tables are unit-tested without them.
-# serving.llama (the library load order) is imported first inside `measure_all`, where the engine is built.
+# serving.engine.llama (the library load order) is imported first inside `measure_all`, where the engine is built.
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.replay import (  # noqa: E402
     DEFAULT_CONCURRENCY,
@@ -53,7 +53,7 @@ from measure.replay import (  # noqa: E402
 )
 from measure.slo import Slo  # noqa: E402
 from measure.workload import source_text  # noqa: E402
-from serving.config import EngineConfig, load_engine_config  # noqa: E402
+from serving.engine.config import EngineConfig, load_engine_config  # noqa: E402
 
 if TYPE_CHECKING:
     from measure.targets import EngineTarget
@@ -242,7 +242,7 @@ def load_workloads(args: argparse.Namespace) -> list[TrafficWorkload]:
 
 def unfit_requests(workload: TrafficWorkload, config: EngineConfig) -> int:
     """Requests the engine refuses outright on `config`: prompt plus one choice's output beyond a slot's context
-    (serving/engine.py's check), or more choices than slots. They still run, and count as failed."""
+    (serving/engine/core.py's check), or more choices than slots. They still run, and count as failed."""
     return sum(1 for r in workload.requests
                if r.n > config.n_parallel
                or r.prompt_tokens + max(r.output_tokens // r.n, 1) > config.n_ctx_per_slot)
@@ -323,9 +323,9 @@ class Bench:
 def measure_all(configs: Mapping[str, EngineConfig], workloads: Sequence[TrafficWorkload], slo: Slo, rounds: int,
                 warmup_requests: int) -> tuple[list[Run], list[Run]]:
     """The warm-up replays, then the measured ones, on one engine loaded with the first config."""
-    from serving import llama as _llama  # noqa: F401  (first: the library load order, see serving/llama.py)
+    from serving.engine import llama as _llama  # noqa: F401  (first: the library load order, see serving/engine/llama.py)
     from measure.targets import EngineTarget
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     names = list(configs)
     by_name = {w.name: w for w in workloads}

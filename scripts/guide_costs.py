@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from serving import llama  # noqa: E402  (first: the library load order, see serving/llama.py)
+from serving.engine import llama  # noqa: E402  (first: the library load order, see serving/engine/llama.py)
 import numpy as np  # noqa: E402
 from bench_constrained import modes  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
-from serving.config import EngineConfig  # noqa: E402
+from serving.engine.config import EngineConfig  # noqa: E402
 
 # One valid answer per mode of bench_constrained.py (its PERSON schema, its get_weather tool).
 ANSWERS = {

@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving.config import embedded_model_path  # noqa: E402
+from serving.engine.config import embedded_model_path  # noqa: E402
 
 BLOCK = re.compile(r"^blk\.(\d+)\.")
 

@@ -9,11 +9,11 @@ Three ceilings, each as decode time without speculation over decode time with it
 per-step work, the same either way, left out):
 - perfect drafter: every guess holds, k per step, the best k: max over k of (k + 1) t(1) / t(k + 1). No
   drafter can beat it on this machine;
-- prompt lookup, oracle length: prompt lookup (serving/speculate.py, the config's n-gram sizes and draft_max)
+- prompt lookup, oracle length: prompt lookup (serving/engine/speculate.py, the config's n-gram sizes and draft_max)
   proposes at each step of the real text, and exactly the guesses that hold are verified (an oracle for the
   draft length: the best any length policy could do with these proposals);
 - prompt lookup, every guess: all its proposals verified (what a fixed draft length does).
-And where the engine's own rule lands (serving/speculate.py's draft_length, replayed over the same texts with
+And where the engine's own rule lands (serving/engine/speculate.py's draft_length, replayed over the same texts with
 the measured costs): not a ceiling, the policy's share of them without the noise of timing a whole run.
 
     python scripts/spec_ceiling.py --gen-tokens 128 --out results/spec_ceiling.json
@@ -33,17 +33,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from serving.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
+from serving.engine.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
 from _loopback_app import parse_overrides  # noqa: E402
 from bench_verify import timed_decode  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import prompt_tokens  # noqa: E402
 from measure.workload import Prompts, PromptSet  # noqa: E402
-from serving.config import EngineConfig, SpecMode, default_threads  # noqa: E402
-from serving.engine import Engine  # noqa: E402
-from serving.repack import use_extra_bufts  # noqa: E402
-from serving.request import FinishReason, SamplingParams  # noqa: E402
-from serving.speculate import Acceptance, PromptLookup, SpecSettings, StepCosts, draft_length  # noqa: E402
+from serving.engine.config import EngineConfig, SpecMode, default_threads  # noqa: E402
+from serving.engine.core import Engine  # noqa: E402
+from serving.engine.repack import use_extra_bufts  # noqa: E402
+from serving.engine.request import FinishReason, SamplingParams  # noqa: E402
+from serving.engine.speculate import Acceptance, PromptLookup, SpecSettings, StepCosts, draft_length  # noqa: E402
 
 REPEATS = 7  # timed decodes per row count (median kept), after one untimed
 

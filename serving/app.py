@@ -1,13 +1,13 @@
-"""The Ray Serve app: an ingress (serving/ingress.py) that takes every HTTP request, and one engine replica
-per GPU (LlamaServer here), each one Engine behind the OpenAI-compatible routes of serving/openai.py plus
+"""The Ray Serve app: an ingress (serving/front/ingress.py) that takes every HTTP request, and one engine replica
+per GPU (LlamaServer here), each one Engine behind the OpenAI-compatible routes of serving/openai/routes.py plus
 the control routes /slots, /props, /metrics and /traffic. The ingress answers /health itself, from what the engine
-replicas last told its background watch, and relays every other request to one (serving/relay.py). With
+replicas last told its background watch, and relays every other request to one (serving/front/relay.py). With
 `ingress=engine` there is no ingress: the engine replicas take HTTP themselves (EngineAsIngress).
 
 `serve run serving.app:main [config=FILE] [KEY=VALUE ...]` builds it: KEYs are EngineConfig fields or
 ServerOptions fields. The engine config travels as the deployment's `user_config` (the first load, and
 `serve deploy` with a new file); live changes (the tuner's write-back) come through the app's
-ConfigChannel (serving/control.py), which every replica follows: drain, rebuild the llama.cpp context in
+ConfigChannel (serving/replica/control.py), which every replica follows: drain, rebuild the llama.cpp context in
 place, acknowledge. No replica restart, no weight reload, no failed request.
 
 Admission control is the engine's bounded queue, not Serve's `max_ongoing_requests`. A replica takes up
@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from serving import llama as _llama  # load order: ray before libllama, see serving/llama.py
+from serving.engine import llama as _llama  # load order: ray before libllama, see serving/engine/llama.py
 
 from fastapi import Query
 from fastapi.responses import JSONResponse, Response
@@ -41,24 +41,24 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serving.api import APIError
-from serving.config import EngineConfig, available_cpus, default_threads, load_engine_config
-from serving.control import DEPLOYMENT_NAME, ConfigChannel
-from serving.engine import Engine
-from serving.engine_host import EngineHost, HostLimits
-from serving.errors import EngineError
-from serving.http import HttpRules
-from serving.ingress import HealthReport, OpenAIIngress
-from serving.metrics import CONTENT_TYPE, ReplicaMetrics, merge_expositions
-from serving.node import here
-from serving.openai import ERROR_RESPONSES, OpenAIRoutes, api
-from serving.relay import RelayedPart, RelayedRequest, run_relayed
-from serving.request import SamplingParams
-from serving.routing import IN_TRIAL, ROUTER, ROUTING_STATS_PERIOD_S
-from serving.slot_files import (SlotAction, SlotFileBody, erased_answer, restored_answer, saved_answer,
+from serving.front.errors import APIError
+from serving.engine.config import EngineConfig, available_cpus, default_threads, load_engine_config
+from serving.replica.control import DEPLOYMENT_NAME, ConfigChannel
+from serving.engine.core import Engine
+from serving.replica.host import EngineHost, HostLimits
+from serving.engine.errors import EngineError
+from serving.front.http import HttpRules
+from serving.front.ingress import HealthReport, OpenAIIngress
+from serving.replica.metrics import CONTENT_TYPE, ReplicaMetrics, merge_expositions
+from serving.replica.node import here
+from serving.openai.routes import ERROR_RESPONSES, OpenAIRoutes, api
+from serving.front.relay import RelayedPart, RelayedRequest, run_relayed
+from serving.engine.request import SamplingParams
+from serving.replica.routing import IN_TRIAL, ROUTER, ROUTING_STATS_PERIOD_S
+from serving.openai.slot_files import (SlotAction, SlotFileBody, erased_answer, restored_answer, saved_answer,
                                 slot_file)
-from serving.traffic import TrafficSummary, merge_summaries
-from serving.trials import Measure, TrialRun
+from serving.engine.traffic import TrafficSummary, merge_summaries
+from serving.replica.trials import Measure, TrialRun
 
 log = logging.getLogger("serving")
 
@@ -198,7 +198,7 @@ async def gather_traffic(peers: Any, own: TrafficSummary) -> tuple[TrafficSummar
 @serve.ingress(api)
 class LlamaServer(OpenAIRoutes):
     """One engine replica: Serve's hooks, the relay from the ingress and the routes, around an EngineHost
-    (serving/engine_host.py) that loads the engine, follows config changes and hosts tuning trials."""
+    (serving/replica/host.py) that loads the engine, follows config changes and hosts tuning trials."""
 
     app: ASGIApp  # this replica's FastAPI app (`api` bound to it), provided by Serve's ingress wrapper
     metrics: ReplicaMetrics
@@ -234,7 +234,7 @@ class LlamaServer(OpenAIRoutes):
             self.host.close()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Serve polls this for the request router (serving/routing.py): whether a trial holds the engine."""
+        """Serve polls this for the request router (serving/replica/routing.py): whether a trial holds the engine."""
         return {IN_TRIAL: self.host.trials.busy_with_trials}
 
     # -- for the routes ------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ class LlamaServer(OpenAIRoutes):
         return self.host.served_config()
 
     async def tune_trial(self, study: str, trials: int, config: dict[str, Any], measure: Measure) -> TrialRun:
-        """A trial of an in-place study, on this replica's engine and weights (serving/trials.py)."""
+        """A trial of an in-place study, on this replica's engine and weights (serving/replica/trials.py)."""
         return await self.host.tune_trial(study, trials, config, measure)
 
     # -- the relay from the ingress ------------------------------------------------------------------
@@ -260,7 +260,7 @@ class LlamaServer(OpenAIRoutes):
         return self.host.health_report()
 
     async def forward(self, request: RelayedRequest) -> AsyncIterator[RelayedPart]:
-        """A request the ingress relayed, answered by this replica's own routes (serving/relay.py)."""
+        """A request the ingress relayed, answered by this replica's own routes (serving/front/relay.py)."""
         self._relays += 1
         try:
             async for part in run_relayed(self.app, request, self.stream_spacing):
@@ -269,7 +269,7 @@ class LlamaServer(OpenAIRoutes):
             self._relays -= 1
 
     def stream_spacing(self) -> float:
-        """Seconds between a stream's events (serving/openai.py) and relayed parts: `stream_interval_ms` per
+        """Seconds between a stream's events (serving/openai/routes.py) and relayed parts: `stream_interval_ms` per
         stream that can be generating (relayed requests, at most one per slot), so this replica sends about
         1000 / stream_interval_ms events and parts a second however many streams share it; never over
         MAX_PART_SPACING_S."""
@@ -298,7 +298,7 @@ class LlamaServer(OpenAIRoutes):
                 "node": self.place(), "replicas": replicas, "replicas_missing": missing}
 
     def place(self) -> dict[str, Any]:
-        """This replica's node, the GPUs Ray gave it and their memory now (serving/node.py)."""
+        """This replica's node, the GPUs Ray gave it and their memory now (serving/replica/node.py)."""
         return here(self.host.replica, _llama.gpu_offload_supported()).as_dict()
 
     def replica_summary(self) -> dict[str, Any]:

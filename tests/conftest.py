@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
 LANES = ("unit", "engine", "serve", "cluster")
 HEAVY = ("ray", "llama_cpp")  # what collecting, and the unit lane, never imports (seconds each on 2 cores)
@@ -40,7 +40,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Every engine the suite starts (in-process, in a replica, in a tuner child) decodes on one thread unless
     the caller sets $LLAMA_SERVE_TUNE_THREADS: with a thread on each core, a busy neighbour stalls the others
     at llama.cpp's barriers and the suite ran several times slower; with one it runs as it does alone."""
-    from serving.config import THREADS_ENV
+    from serving.engine.config import THREADS_ENV
 
     os.environ.setdefault(THREADS_ENV, "1")
 
@@ -87,8 +87,8 @@ N_CTX = 4096  # 1024 tokens per slot
 
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
-    from serving.config import EngineConfig
-    from serving.engine import Engine  # through serving.llama: ray before libllama (the load order)
+    from serving.engine.config import EngineConfig
+    from serving.engine.core import Engine  # through serving.engine.llama: ray before libllama (the load order)
 
     eng = Engine(EngineConfig(n_parallel=N_PARALLEL, n_ctx=N_CTX, seed=1234))
     yield eng

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from serving.request import FinishReason, GenerationChunk, RequestHandle, Usage
+from serving.engine.request import FinishReason, GenerationChunk, RequestHandle, Usage
 
 WAIT_S = 120.0  # per chunk: a hang fails the test instead of the whole run
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

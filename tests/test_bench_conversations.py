@@ -6,7 +6,7 @@ import pytest
 
 from tests.helpers import script_module
 
-pytestmark = pytest.mark.engine  # the script imports serving.llama (libllama) first, as every script does
+pytestmark = pytest.mark.engine  # the script imports serving.engine.llama (libllama) first, as every script does
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def bench():  # noqa: ANN201
 def test_llama_server_gets_its_cache_and_the_repack_setting_ours_runs_with(bench) -> None:  # noqa: ANN001
     """Without `--no-repack` where ours loads without the repack, llama-server ran other kernels, and on an
     AMX VM (whose repack path faults) it crashed at load: the peer of a CPU run was missing."""
-    from serving.config import EngineConfig
+    from serving.engine.config import EngineConfig
 
     off = EngineConfig(cpu_repack="off")
     assert bench.peer_args(off, "-np 2 -c 8192 -t 2", 8192) == [

@@ -22,7 +22,7 @@ GiB = 1 << 30
 def bd():
     """The script imported as a module (scripts/ is not a package: put it on the path just for the import).
 
-    It imports serving.llama (libllama) first, as every script does: the tests using it are in lane engine."""
+    It imports serving.engine.llama (libllama) first, as every script does: the tests using it are in lane engine."""
     yield from script_module("bench_device")
 
 
@@ -175,7 +175,7 @@ def test_a_pick_becomes_bench_device_settings(tmp_path) -> None:
     import subprocess
     import sys
 
-    from serving.config import EngineConfig
+    from serving.engine.config import EngineConfig
     from tuning.writeback import write_config
 
     pick = EngineConfig(n_parallel=3, n_ctx=6144, n_batch=256, n_ubatch=128, n_cpu_moe=29, n_threads=15)

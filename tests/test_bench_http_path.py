@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import script_module
 
-pytestmark = pytest.mark.engine  # the script imports serving.llama (libllama) first, as every script does
+pytestmark = pytest.mark.engine  # the script imports serving.engine.llama (libllama) first, as every script does
 
 
 @pytest.fixture(scope="module")

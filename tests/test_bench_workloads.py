@@ -11,7 +11,7 @@ import pytest
 
 from measure.replay import Arrivals, Outcome, ReplayFigures, ReplayRequest
 from measure.slo import RequestLatency, Slo
-from serving.config import EngineConfig
+from serving.engine.config import EngineConfig
 from tests.helpers import script_module
 
 SLO = Slo.parse("ttft_p95=1s,itl_p95=100ms")

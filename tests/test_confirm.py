@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.config import EngineConfig
+from serving.engine.config import EngineConfig
 from tuning.confirm import Candidate, Figures, Verdict, confirm, decide, markdown, rotation
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,7 @@
 
 import pytest
 
-from serving.detok import IncrementalDetokenizer, StopMatcher
+from serving.engine.detok import IncrementalDetokenizer, StopMatcher
 
 pytestmark = pytest.mark.unit
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from serving.errors import PromptTooLongError
-from serving.request import ConstraintKind, FinishReason, SamplingParams
+from serving.engine.errors import PromptTooLongError
+from serving.engine.request import ConstraintKind, FinishReason, SamplingParams
 from tests.helpers import collect
 
 if TYPE_CHECKING:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
 pytestmark = pytest.mark.engine
 
@@ -53,7 +53,7 @@ def test_follow_up_turn_reuses_the_slot_prefix(engine: Engine) -> None:
     n_prompt = len(engine.tokenize_prompt(follow_up))
     assert evaluated < n_prompt / 2
     # the same prompt on an engine with nothing cached gives the same answer
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     fresh = Engine(engine.config)
     try:
@@ -139,8 +139,8 @@ def test_one_kv_buffer_for_all_slots_keeps_sequences_apart_bit_for_bit() -> None
     unequal lengths decoded in one batch give the logits each gives alone, and so do 8 greedy steps after."""
     import numpy as np
 
-    from serving.config import EngineConfig, embedded_model_path
-    from serving.llama import LlamaContext, LlamaModel
+    from serving.engine.config import EngineConfig, embedded_model_path
+    from serving.engine.llama import LlamaContext, LlamaModel
 
     unified = EngineConfig(n_parallel=4, n_ctx=4096, kv_unified=True)
     model = LlamaModel(embedded_model_path(), 0, extra_bufts=False)
@@ -208,7 +208,7 @@ def test_a_conversation_that_lost_its_slot_comes_back_from_host_ram_with_the_sam
     first's next turn gets it restored and prefills only its new question, and answers token for token as
     an engine where it never left its slot (four slots, no cache)."""
     from measure.workload import source_text
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     text = source_text() * 2
     histories = [f"Conversation {i}.\n" + text[i * 700:i * 700 + 900] for i in range(3)]  # ~240 tokens each
@@ -248,7 +248,7 @@ def test_an_idle_engine_saves_a_finished_slot_before_a_prompt_needs_the_slot(eng
     import time
 
     from measure.workload import source_text
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     idle = Engine(engine.config.model_copy(update={"n_parallel": 2, "n_ctx": 2048, "cache_ram_mib": 64}))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -273,8 +273,8 @@ def test_slot_files_save_erase_and_restore_into_another_slot(engine: Engine, tmp
     where a prompt extending them prefills only the rest; a file this context cannot load is refused with a
     clear error and leaves the slot empty; a slot id out of range is refused before anything waits."""
     from measure.workload import source_text
-    from serving.config import CacheType
-    from serving.engine import Engine
+    from serving.engine.config import CacheType
+    from serving.engine.core import Engine
 
     prompt = "Slot files.\n" + source_text()[:1000]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -312,7 +312,7 @@ def _greedy_and_full_pass(chain: Any) -> tuple[Callable[[Any], int], Callable[[A
     guide = chain._guide
     if guide is None:
         return chain._greedy_grammar, partial(chain._select, grammar_first=True)
-    from serving.llama import masked_logits
+    from serving.engine.llama import masked_logits
 
     return partial(chain._greedy_guided, guide), \
         lambda values: int(masked_logits(values, guide.allowed()).argmax())
@@ -324,9 +324,9 @@ def test_guided_greedy_keeps_forced_text_in_its_canonical_tokens() -> None:
     follows the mask, even when the split ranks higher."""
     import numpy as np
 
-    from serving.config import EngineConfig, embedded_model_path
-    from serving.llama import LlamaContext, LlamaModel, SamplerChain
-    from serving.structured import tool_call_guide
+    from serving.engine.config import EngineConfig, embedded_model_path
+    from serving.engine.llama import LlamaContext, LlamaModel, SamplerChain
+    from serving.openai.structured import tool_call_guide
 
     model = LlamaModel(embedded_model_path(), n_gpu_layers=0)
     ctx = LlamaContext(model, EngineConfig(n_parallel=1, n_ctx=256), 1)
@@ -357,12 +357,12 @@ def test_constrained_greedy_takes_the_best_allowed_token_as_the_full_pass_does(k
     whether the best allowed token ranks 2nd, 30th or beyond GBNF's tries."""
     import numpy as np
 
-    from serving.config import EngineConfig, embedded_model_path
+    from serving.engine.config import EngineConfig, embedded_model_path
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-    from serving.llama import GREEDY_TRIES, LlamaContext, LlamaModel, SamplerChain
-    from serving.request import Constraint
-    from serving.structured import json_schema_guide
+    from serving.engine.llama import GREEDY_TRIES, LlamaContext, LlamaModel, SamplerChain
+    from serving.engine.request import Constraint
+    from serving.openai.structured import json_schema_guide
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     model = LlamaModel(embedded_model_path(), n_gpu_layers=0)

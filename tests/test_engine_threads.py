@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from serving.config import EngineConfig
-from serving.errors import EngineError, EngineStoppedError, QueueFullError
-from serving.request import FinishReason, SamplingParams
+from serving.engine.config import EngineConfig
+from serving.engine.errors import EngineError, EngineStoppedError, QueueFullError
+from serving.engine.request import FinishReason, SamplingParams
 from tests.helpers import collect
 
 if TYPE_CHECKING:
-    from serving.engine import Engine
-    from serving.llama import LlamaModel
+    from serving.engine.core import Engine
+    from serving.engine.llama import LlamaModel
 
 pytestmark = pytest.mark.engine
 
@@ -34,7 +34,7 @@ SHORT = SamplingParams(max_tokens=2, temperature=0.0)
 
 @pytest.fixture
 def small() -> Iterator[Engine]:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     eng = Engine(SMALL)
     yield eng
@@ -89,7 +89,7 @@ def test_a_penalised_request_among_greedy_ones_succeeds(engine: Engine) -> None:
 
 
 def test_a_failing_sampler_fails_only_its_request(small: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    from serving.llama import LlamaContext
+    from serving.engine.llama import LlamaContext
 
     real = LlamaContext.new_sampler
 
@@ -132,7 +132,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(small: Engine) -> None:
 
 
 def test_a_full_queue_is_refused_with_a_retry_hint() -> None:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     eng = Engine(SMALL, max_queued=1)
     try:
@@ -152,8 +152,8 @@ def test_a_full_queue_is_refused_with_a_retry_hint() -> None:
 
 # -- close and rebuild -------------------------------------------------------------------------------
 def test_close_never_frees_a_context_that_is_still_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    import serving.engine as engine_module
-    from serving.engine import Engine
+    import serving.engine.core as engine_module
+    from serving.engine.core import Engine
 
     eng = Engine(SMALL)
     ctx = eng._ctx  # noqa: SLF001 (the object whose lifetime is under test)
@@ -184,8 +184,8 @@ class _FailingContexts:
     """Makes LlamaContext creation fail for chosen configs (as an out-of-memory would)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import serving.engine as engine_module
-        from serving.llama import LlamaContext
+        import serving.engine.core as engine_module
+        from serving.engine.llama import LlamaContext
 
         self.fail: set[int] = set()  # n_ctx values that fail
         real = LlamaContext
@@ -208,8 +208,8 @@ def test_a_failed_reconfigure_restores_the_old_config(small: Engine, monkeypatch
 
 
 def test_a_failed_reload_frees_the_new_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from serving.engine import Engine
-    from serving.llama import LlamaModel
+    from serving.engine.core import Engine
+    from serving.engine.llama import LlamaModel
 
     copy = tmp_path / "copy.gguf"
     shutil.copy(SMALL.model_path, copy)
@@ -237,7 +237,7 @@ def test_a_failed_reload_frees_the_new_weights(tmp_path: Path, monkeypatch: pyte
 
 def test_when_even_the_old_config_cannot_be_restored_the_engine_stops_cleanly(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     eng = Engine(SMALL)
     tokens = eng.tokenize_prompt("Count to a thousand:")

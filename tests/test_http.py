@@ -271,7 +271,7 @@ def test_stream_cut_by_an_engine_error_ends_with_an_error_event_then_done(ray_se
     from ray import serve
 
     from serving.app import main
-    from serving.control import CHANNEL_NAME
+    from serving.replica.control import CHANNEL_NAME
 
     serve.run(main({"n_parallel": 1, "n_ctx": 2048, "cpus_per_replica": 0.5, "config_poll_s": 0.2}),
               name="shrink", route_prefix="/shrink")
@@ -460,7 +460,7 @@ def test_what_llama_server_clients_send_and_read(serve_url: str) -> None:
 def test_system_fingerprint_names_the_running_config(serve_url: str) -> None:
     """Every answer, whole or streamed, carries the fingerprint of the engine config that produced it; another
     config has another (a live switch shows in the answers)."""
-    from serving.config import EngineConfig
+    from serving.engine.config import EngineConfig
 
     running = EngineConfig.model_validate(httpx.get(f"{serve_url}/props", timeout=30).json()["config"])
     whole = httpx.post(f"{serve_url}{CHAT}", json={"messages": MSG, "max_tokens": 2}, timeout=60).json()
@@ -542,8 +542,8 @@ class ScriptedEngine:
     """Stands in for Engine through its public API; `submit` raises `fail` or replays `chunks`."""
 
     def __init__(self) -> None:
-        from serving.config import EngineConfig
-        from serving.request import FinishReason, GenerationChunk, Usage
+        from serving.engine.config import EngineConfig
+        from serving.engine.request import FinishReason, GenerationChunk, Usage
 
         self.config = EngineConfig(model_alias="scripted", n_ctx=1024, n_parallel=1)
         self.fingerprint = self.config.fingerprint()
@@ -572,7 +572,7 @@ class ScriptedEngine:
         return [self.submit(tokens, params) for _ in range(n)]
 
     def submit(self, tokens: list[int], params: Any) -> Any:
-        from serving.request import Request, RequestHandle
+        from serving.engine.request import Request, RequestHandle
 
         if not tokens:
             raise ValueError("the prompt is empty: send at least one token of text")
@@ -595,8 +595,8 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> Any:
     from starlette.testclient import TestClient
 
     from serving import app as serving_app  # noqa: F401  (binds the routes to the deployment class)
-    from serving.metrics import ReplicaMetrics
-    from serving.openai import OpenAIRoutes, api
+    from serving.replica.metrics import ReplicaMetrics
+    from serving.openai.routes import OpenAIRoutes, api
 
     class Host(OpenAIRoutes):
         api_key: str | None = None
@@ -624,7 +624,7 @@ def _events(resp: Any) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("path,body", [(COMP, {"prompt": "Hi"}), (CHAT, {"messages": MSG})])
 def test_scripted_stream_cut_by_engine_error_ends_with_error_event_then_done(scripted: Any, path: str,
                                                                              body: dict) -> None:
-    from serving.request import FinishReason, GenerationChunk
+    from serving.engine.request import FinishReason, GenerationChunk
 
     scripted.engine.chunks = [GenerationChunk("Hello", [1]),
                               GenerationChunk(" wor", [2], FinishReason.error, error="llama_decode failed; retry it")]
@@ -641,7 +641,7 @@ def test_scripted_stream_cut_by_engine_error_ends_with_error_event_then_done(scr
 
 @pytest.mark.engine
 def test_scripted_responses_stream_cut_by_engine_error_ends_with_a_typed_error_event(scripted: Any) -> None:
-    from serving.request import FinishReason, GenerationChunk
+    from serving.engine.request import FinishReason, GenerationChunk
 
     scripted.engine.chunks = [GenerationChunk("Hello", [1]),
                               GenerationChunk("", [], FinishReason.error, error="llama_decode failed")]
@@ -660,7 +660,7 @@ def assert_text(events: list[dict[str, Any]]) -> str:
 
 @pytest.mark.engine
 def test_scripted_engine_error_without_stream_is_a_500_with_the_engine_message(scripted: Any) -> None:
-    from serving.request import FinishReason, GenerationChunk
+    from serving.engine.request import FinishReason, GenerationChunk
 
     scripted.engine.chunks = [GenerationChunk("", [], FinishReason.error, error="sampling failed for this request")]
     resp = scripted.http.post(COMP, json={"prompt": "Hi"})
@@ -670,7 +670,7 @@ def test_scripted_engine_error_without_stream_is_a_500_with_the_engine_message(s
 
 @pytest.mark.engine
 def test_scripted_queue_full_is_503_with_retry_after(scripted: Any) -> None:
-    from serving.errors import QueueFullError
+    from serving.engine.errors import QueueFullError
 
     scripted.engine.fail = QueueFullError(queued=64, limit=64, retry_after_s=7)
     for path, body in ((COMP, {"prompt": "Hi"}), (CHAT, {"messages": MSG, "stream": True})):
@@ -687,7 +687,7 @@ def test_scripted_queue_full_is_503_with_retry_after(scripted: Any) -> None:
 def test_scripted_a_small_body_is_tokenised_on_the_loop_a_large_one_in_a_worker_thread(scripted: Any) -> None:
     """Tokenising a small body inline costs less than a hop to a worker thread; a large one must not stall the
     event loop that streams every other request's tokens. Either way the answer is the same."""
-    from serving.openai import INLINE_BODY_BYTES
+    from serving.openai.routes import INLINE_BODY_BYTES
 
     engine = scripted.engine
     on_loop: list[bool] = []
@@ -712,7 +712,7 @@ def test_scripted_a_small_body_is_tokenised_on_the_loop_a_large_one_in_a_worker_
 
 @pytest.mark.engine
 def test_scripted_stopped_engine_is_503(scripted: Any) -> None:
-    from serving.errors import EngineStoppedError
+    from serving.engine.errors import EngineStoppedError
 
     scripted.engine.fail = EngineStoppedError("the engine is not running")
     resp = scripted.http.post(COMP, json={"prompt": "Hi"})
@@ -735,7 +735,7 @@ def test_scripted_internal_error_is_generic_and_names_the_request_id(scripted: A
 
 @pytest.mark.engine
 def test_scripted_exception_inside_a_stream_is_an_error_event_and_done(scripted: Any) -> None:
-    from serving.request import GenerationChunk, RequestHandle
+    from serving.engine.request import GenerationChunk, RequestHandle
 
     class Exploding(RequestHandle):
         async def next_chunk(self, not_before: float | None = 0.0) -> GenerationChunk:  # what the routes read
@@ -763,7 +763,7 @@ def test_scripted_sampling_params_are_bounded_by_the_slot(scripted: Any) -> None
 
 @pytest.mark.engine
 def test_scripted_body_over_the_limit_is_a_json_413(scripted: Any) -> None:
-    from serving.http import MAX_BODY_BYTES
+    from serving.front.http import MAX_BODY_BYTES
 
     resp = scripted.http.post(COMP, content=b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}',
                               headers={"content-type": "application/json"})
@@ -787,7 +787,7 @@ def test_scripted_bad_input_is_4xx_json(scripted: Any, name: str, path: str, bod
 def test_api_key_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     import hmac
 
-    from serving import http as routes
+    from serving.front import http as routes
 
     calls: list[tuple[bytes, bytes]] = []
     compare = hmac.compare_digest
@@ -810,7 +810,7 @@ def test_api_key_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.engine
 def test_scripted_chunked_body_over_the_limit_is_a_json_413(scripted: Any) -> None:
-    from serving.http import MAX_BODY_BYTES
+    from serving.front.http import MAX_BODY_BYTES
 
     def chunks() -> Any:  # no Content-Length: the limit is found while reading
         yield b'{"prompt": "'
@@ -841,7 +841,7 @@ CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}
 
 def _script(scripted: Any, text: str, reason: Any) -> None:
     """The engine 'generates' `text` four characters a token, ending with `reason`."""
-    from serving.request import GenerationChunk, Usage
+    from serving.engine.request import GenerationChunk, Usage
 
     pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
     scripted.engine.chunks = [GenerationChunk(p, [i]) for i, p in enumerate(pieces[:-1])] + [
@@ -857,7 +857,7 @@ def _streamed_calls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_scripted_forced_calls_cut_by_max_tokens_keep_the_complete_ones(scripted: Any) -> None:
     """The reported bug: a forced call, then the same call again until max_tokens cut it. The complete calls
     are the answer (finish_reason length says the rest was cut); no markup is content, whole or streamed."""
-    from serving.request import FinishReason
+    from serving.engine.request import FinishReason
 
     _script(scripted, (CALL_TEXT + "\n") * 2 + CALL_TEXT[:30], FinishReason.length)
     whole = assert_generated(scripted.http.post(CHAT, json=FORCED).json())["choices"][0]
@@ -875,7 +875,7 @@ def test_scripted_forced_calls_cut_by_max_tokens_keep_the_complete_ones(scripted
 def test_scripted_streamed_call_sends_its_arguments_as_they_come(scripted: Any) -> None:
     """OpenAI's framing: a call's first delta carries index, id, type, name and the start of its arguments;
     the later ones only index and more arguments (an event per token: logprobs are asked for)."""
-    from serving.request import FinishReason
+    from serving.engine.request import FinishReason
 
     _script(scripted, CALL_TEXT, FinishReason.stop)
     events = sse_events(scripted.http.post(CHAT, json={**FORCED, "stream": True, "logprobs": True}).text.splitlines())
@@ -974,7 +974,7 @@ async def _body_writes(app: Any, path: str, body: dict[str, Any]) -> list[bytes]
 def test_scripted_stream_sends_the_role_with_the_first_token_in_one_write(scripted: Any) -> None:
     """A chat stream's opening frame (the role) goes out with its first token, not as a write of its own: each
     write is another trip through the HTTP stack while other requests wait for their first token."""
-    from serving.openai import api
+    from serving.openai.routes import api
 
     writes = asyncio.run(_body_writes(api, CHAT, {"messages": MSG, "stream": True}))
     first = [json.loads(line[len("data: "):]) for line in writes[0].decode().splitlines() if line.startswith("data: ")]

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from serving.config import EngineConfig, load_engine_config
+from serving.engine.config import EngineConfig, load_engine_config
 from tests.conftest import assert_stream_finished, sse_events, wait_idle
 
 pytestmark = pytest.mark.serve

@@ -14,7 +14,7 @@ from measure.metrics import RoundFigures, StreamFigures, StreamRecord, percentil
 from measure.sse import StreamError, interpret_chunk, iter_sse_data
 from measure.targets import check_loopback_url, check_server_args, llama_server_flags
 from measure.workload import COPY_TASKS, PLAIN_PROMPTS, Prompts, PromptSet, Workload, round_order
-from serving.config import EngineConfig, load_engine_config
+from serving.engine.config import EngineConfig, load_engine_config
 
 pytestmark = pytest.mark.unit
 
@@ -357,7 +357,7 @@ def test_in_process_output_is_every_token_or_only_text_as_our_stream_shows_it(te
     import asyncio
 
     from measure.targets import EngineTarget
-    from serving.request import FinishReason, GenerationChunk, Usage
+    from serving.engine.request import FinishReason, GenerationChunk, Usage
 
     chunks = [GenerationChunk("", [2]), GenerationChunk("\n", [198]), GenerationChunk("Hi", [5]),
               GenerationChunk("", [7], FinishReason.length, Usage(prompt_tokens=4, completion_tokens=4))]

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.engine  # serving.metrics imports Ray's metrics module
+pytestmark = pytest.mark.engine  # serving.replica.metrics imports Ray's metrics module
 
 
 def test_replicas_expositions_merge_into_one_valid_text() -> None:
     """/metrics over several replicas: each family's HELP and TYPE once, every replica's samples under it."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from serving.metrics import ReplicaMetrics, merge_expositions
-    from serving.request import FinishReason, Usage
+    from serving.replica.metrics import ReplicaMetrics, merge_expositions
+    from serving.engine.request import FinishReason, Usage
 
     texts = []
     for name in ("r1", "r2"):

@@ -1,4 +1,4 @@
-"""A stream read at a pace (serving/request.py's `next_chunk` and `paced`), without a model: a thread pushes
+"""A stream read at a pace (serving/engine/request.py's `next_chunk` and `paced`), without a model: a thread pushes
 chunks as the engine's step thread does, and the reader takes what came over each interval as one chunk."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from serving.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams, Usage, paced
+from serving.engine.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams, Usage, paced
 
 
 def _handle() -> RequestHandle:
@@ -97,7 +97,7 @@ def test_a_per_token_reader_gets_one_chunk_per_token_even_when_it_lags() -> None
 
 @pytest.mark.unit
 def test_default_threads_are_every_cpu_unless_capped(monkeypatch: pytest.MonkeyPatch) -> None:
-    from serving.config import THREADS_ENV, available_cpus, default_threads
+    from serving.engine.config import THREADS_ENV, available_cpus, default_threads
 
     monkeypatch.delenv(THREADS_ENV, raising=False)
     assert default_threads() == available_cpus()
@@ -114,7 +114,7 @@ def test_default_threads_are_every_cpu_unless_capped(monkeypatch: pytest.MonkeyP
 @pytest.mark.engine
 def test_auto_interval_paces_harder_only_where_decoding_takes_every_core() -> None:
     from serving.app import CPU_BOUND_INTERVAL_MS, INTERVAL_MS, stream_interval_ms
-    from serving.config import EngineConfig
+    from serving.engine.config import EngineConfig
 
     cpu = EngineConfig(n_gpu_layers=0)
     assert stream_interval_ms("auto", cpu, gpu_offload=True, cpus=2) == CPU_BOUND_INTERVAL_MS

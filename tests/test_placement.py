@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from serving.config import EXPERTS_OF_LAYER, EngineConfig, SplitMode, TensorOverride
+from serving.engine.config import EXPERTS_OF_LAYER, EngineConfig, SplitMode, TensorOverride
 from tests.helpers import script_module
 from tuning.memory import ModelShape
 
@@ -226,8 +226,8 @@ def test_a_config_over_the_ram_budget_is_refused_before_it_loads(tiny_moe: Path)
 @pytest.mark.parametrize("placement", [{}, {"n_cpu_moe": 2}, {"n_cpu_moe": 2, "cpu_moe_start": 2},
                                        {"override_tensor": ["ffn_.*_exps=CPU"]}, {"kv_offload": False}])
 def test_a_tiny_moe_loads_and_generates_with_its_experts_placed(tiny_moe: Path, placement: dict[str, Any]) -> None:
-    from serving.engine import Engine
-    from serving.request import FinishReason, SamplingParams
+    from serving.engine.core import Engine
+    from serving.engine.request import FinishReason, SamplingParams
     from tests.helpers import collect
 
     engine = Engine(EngineConfig(model=tiny_moe, n_parallel=1, n_ctx=512, **placement))
@@ -241,9 +241,9 @@ def test_a_tiny_moe_loads_and_generates_with_its_experts_placed(tiny_moe: Path, 
 
 @pytest.mark.engine
 def test_a_buffer_type_this_build_lacks_is_refused_with_the_ones_it_has(tiny_moe: Path) -> None:
-    from serving.engine import Engine
-    from serving.errors import EngineError
-    from serving.llama import buffer_types
+    from serving.engine.core import Engine
+    from serving.engine.errors import EngineError
+    from serving.engine.llama import buffer_types
 
     missing = next(name for name in ("CUDA0", "CUDA7", "Vulkan0") if name not in buffer_types())
     with pytest.raises(EngineError, match=f"no buffer type '{missing}'.*CPU"):

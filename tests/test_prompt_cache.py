@@ -1,4 +1,4 @@
-"""serving/prompt_cache.py: the host-RAM store of slot states, bounded, LRU, by tokens (no model needed)."""
+"""serving/engine/prompt_cache.py: the host-RAM store of slot states, bounded, LRU, by tokens (no model needed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from serving.prompt_cache import PromptCache, StateBuffer, common_prefix
+from serving.engine.prompt_cache import PromptCache, StateBuffer, common_prefix
 
 pytestmark = pytest.mark.unit
 
@@ -114,7 +114,7 @@ def test_the_index_finds_what_a_scan_of_every_state_would_through_puts_drops_and
     """Random conversations (shared openings, turns that extend earlier states), a limit that evicts, restores
     and discards: after every operation the index's answer is a scan's (fewer states than CANDIDATES, so
     exact), and it lists exactly the states held, so a dropped state is never offered."""
-    from serving.prompt_cache import CANDIDATES
+    from serving.engine.prompt_cache import CANDIDATES
 
     rng = random.Random(11)
     cache = PromptCache(limit_bytes=12 * 40, min_tokens=4)  # blocks of 4 tokens; 12 states of 40 bytes

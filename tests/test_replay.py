@@ -20,8 +20,8 @@ from measure.metrics import StreamRecord
 from measure.replay import (DEFAULT_CONCURRENCY, SAMPLED_TEMPERATURE, Arrivals, Builtin, PromptBuilder, ReplayFigures,
                             Replayer, ReplayRequest, TrafficWorkload, builtin, from_shapes, load_file)
 from measure.slo import Slo
-from serving.request import FinishReason
-from serving.traffic import RequestKind, RequestShape, TrafficRecord
+from serving.engine.request import FinishReason
+from serving.engine.traffic import RequestKind, RequestShape, TrafficRecord
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serving.config import EngineConfig
+from serving.engine.config import EngineConfig
 from tests.conftest import assert_generated
 
 APP = "two"
@@ -35,8 +35,8 @@ def engines_of(application):  # the engine replicas' deployment: the ingress's f
 @pytest.mark.engine
 def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from serving import app as serving_app
-    from serving.control import CHANNEL_NAME
-    from serving.ingress import INGRESS_NAME
+    from serving.replica.control import CHANNEL_NAME
+    from serving.front.ingress import INGRESS_NAME
 
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: 2)
     config = EngineConfig(n_parallel=3, n_ctx=3072)
@@ -52,8 +52,8 @@ def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatc
     assert d.max_ongoing_requests == 256 + 17 + 16
     assert d.max_queued_requests == 17
     assert d.user_config == {"engine": config.to_yaml_dict()}
-    # routed around replicas running an in-place trial (serving/routing.py)
-    assert d._deployment_config.request_router_config.request_router_class == "serving.routing:TrialAwareRouter"
+    # routed around replicas running an in-place trial (serving/replica/routing.py)
+    assert d._deployment_config.request_router_config.request_router_class == "serving.replica.routing:TrialAwareRouter"
     # the replicas' second argument is the app's ConfigChannel
     channel = deployment_of(d.init_args[1])
     assert channel.name == CHANNEL_NAME and channel.num_replicas == 1
@@ -172,7 +172,7 @@ def test_a_load_that_hangs_makes_the_replica_unhealthy_after_load_timeout_s(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Serve restarts a replica only when its health check fails; a load that never returns (none finished in
     120 s once in a full run here, no error logged) must fail it, or the replica stays loading for good."""
-    from serving import engine_host
+    from serving.replica import host as engine_host
 
     release = threading.Event()
 
@@ -202,7 +202,7 @@ def test_a_load_that_hangs_makes_the_replica_unhealthy_after_load_timeout_s(
 
 @pytest.mark.engine
 def test_follower_survives_a_failed_ack_and_acks_on_the_next_round() -> None:
-    from serving.control import ConfigFollower
+    from serving.replica.control import ConfigFollower
 
     channel, replica = FakeChannel(), FakeReplica()
     follower = ConfigFollower(channel, "r1", replica.apply, poll_s=0.01)
@@ -225,7 +225,7 @@ def test_follower_survives_a_failed_ack_and_acks_on_the_next_round() -> None:
 def test_follower_loop_keeps_following_through_every_kind_of_failure() -> None:
     """The loop itself (as the replica runs it): an unreachable channel, a malformed answer, a lost ack, a
     config the engine refuses; after all of them the next config is still applied and acknowledged."""
-    from serving.control import ConfigFollower
+    from serving.replica.control import ConfigFollower
 
     channel, replica = FakeChannel(), FakeReplica(refuse=(3,))
     follower = ConfigFollower(channel, "r1", replica.apply, poll_s=0.001)
@@ -261,7 +261,7 @@ def test_follower_loop_keeps_following_through_every_kind_of_failure() -> None:
 
 @pytest.mark.engine
 def test_background_tasks_are_held_reported_when_they_stop_and_cancelled_together() -> None:
-    from serving import engine_host
+    from serving.replica import host as engine_host
 
     async def scenario() -> None:
         tasks = engine_host.BackgroundTasks()
@@ -413,12 +413,12 @@ def test_traffic_is_merged_over_every_replica(two: str) -> None:
 @pytest.mark.serve
 @pytest.mark.timeout(300)
 def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_path: Path) -> None:
-    """Serve routes around a replica running an in-place trial (serving/routing.py): every client request
+    """Serve routes around a replica running an in-place trial (serving/replica/routing.py): every client request
     sent during the trial is served by the other replica, none waits for the trial."""
     from ray import serve
 
     from serving import app as serving_app
-    from serving.routing import ROUTING_STATS_PERIOD_S
+    from serving.replica.routing import ROUTING_STATS_PERIOD_S
 
     started, gate = tmp_path / "trial-started", tmp_path / "end-the-trial"
 
@@ -532,7 +532,7 @@ def test_the_builder_validates_its_words_into_one_model_and_binds_the_http_rules
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
     from serving import app as serving_app
-    from serving.http import HttpRules
+    from serving.front.http import HttpRules
 
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: 0)
     words = {"n_parallel": "3", "n_ctx": "3072", "api_key": "k", "cors_origins": "https://a.example, https://b.example"}
@@ -558,7 +558,7 @@ def test_with_ingress_engine_the_engine_replicas_are_the_app(monkeypatch: pytest
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
     from serving import app as serving_app
-    from serving.control import DEPLOYMENT_NAME
+    from serving.replica.control import DEPLOYMENT_NAME
 
     monkeypatch.setattr(serving_app, "_gpus_available", lambda: 0)
     application = call_user_app_builder_with_args_if_necessary(serving_app.main, {"ingress": "engine",

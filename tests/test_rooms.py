@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-LIBLLAMA = ("llama_cpp", "serving.llama", "serving.engine", "serving.structured")
+LIBLLAMA = ("llama_cpp", "serving.engine.llama", "serving.engine.core", "serving.openai.structured")
 
 
 def _loaded_after(module: str) -> set[str]:
@@ -20,8 +20,8 @@ def _loaded_after(module: str) -> set[str]:
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["serving.http", "serving.ingress", "serving.relay", "serving.api",
-                                    "serving.slot_files", "serving.prompt_cache", "serving.buffers"])
+@pytest.mark.parametrize("module", ["serving.front.http", "serving.front.ingress", "serving.front.relay", "serving.openai.requests",
+                                    "serving.openai.slot_files", "serving.engine.prompt_cache", "serving.engine.buffers"])
 def test_the_rooms_without_a_model_load_no_libllama(module: str) -> None:
     """The ingress holds no model: importing it (or the HTTP room, the request shapes, the relay) must not
     load libllama, the engine or the grammar compiler."""
@@ -30,8 +30,8 @@ def test_the_rooms_without_a_model_load_no_libllama(module: str) -> None:
 
 
 def test_binding_calls_live_in_serving_llama_alone() -> None:
-    """Every llama.cpp binding call goes through serving/llama.py (checked there against the vendored llama.h):
-    no other module of serving/ imports the bindings, from llama_cpp or through serving.llama."""
+    """Every llama.cpp binding call goes through serving/engine/llama.py (checked there against the vendored llama.h):
+    no other module of serving/ imports the bindings, from llama_cpp or through serving.engine.llama."""
     import ast
     from pathlib import Path
 
@@ -45,9 +45,9 @@ def test_binding_calls_live_in_serving_llama_alone() -> None:
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n == "llama_cpp" or n.startswith("llama_cpp.") for n in names):
                 offenders.append(f"{path.name}:{node.lineno} imports {names}")
-            if isinstance(node, ast.ImportFrom) and node.module == "serving.llama" and any(
+            if isinstance(node, ast.ImportFrom) and node.module == "serving.engine.llama" and any(
                     a.name in ("llama_cpp", "ll") for a in node.names):
-                offenders.append(f"{path.name}:{node.lineno} takes the raw bindings from serving.llama")
+                offenders.append(f"{path.name}:{node.lineno} takes the raw bindings from serving.engine.llama")
     assert offenders == []
 
 
@@ -55,7 +55,7 @@ def _front(rules: object) -> object:
     """An ASGI app behind `rules` that echoes the body it read (the ingress's relay stands in)."""
     from starlette.responses import JSONResponse
 
-    from serving.http import HttpRules
+    from serving.front.http import HttpRules
 
     assert isinstance(rules, HttpRules)
 
@@ -76,7 +76,7 @@ def test_the_front_door_keeps_the_key_cors_and_body_limit_it_was_built_with() ->
     even when no Content-Length announced it."""
     from starlette.testclient import TestClient
 
-    from serving.http import MAX_BODY_BYTES, HttpRules
+    from serving.front.http import MAX_BODY_BYTES, HttpRules
 
     client = TestClient(_front(HttpRules("sekrit", ("https://app.example",))))  # type: ignore[arg-type]
     assert client.get("/health").status_code == 200
@@ -114,7 +114,7 @@ def test_a_traced_front_door_writes_each_requests_stamps_in_order(tmp_path: Path
     from starlette.responses import StreamingResponse
     from starlette.testclient import TestClient
 
-    from serving.http import TRACE_ENV, HttpRules, mark_submitted
+    from serving.front.http import TRACE_ENV, HttpRules, mark_submitted
 
     async def streamed(scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["path"] == "/v1/completions":

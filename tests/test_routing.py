@@ -1,4 +1,4 @@
-"""The engine replicas' router (serving/routing.py): requests that would wait for a trial go to replicas not
+"""The engine replicas' router (serving/replica/routing.py): requests that would wait for a trial go to replicas not
 running one; read-only routes go anywhere. Pure: fake replicas, no Ray."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from serving.relay import RelayedRequest
+    from serving.front.relay import RelayedRequest
 
-pytestmark = pytest.mark.engine  # no Ray cluster, but serving.routing imports Ray Serve's router classes
+pytestmark = pytest.mark.engine  # no Ray cluster, but serving.replica.routing imports Ray Serve's router classes
 
 
 @dataclass(eq=False)
@@ -21,13 +21,13 @@ class FakeReplica:
 
 
 def relayed(path: str, root_path: str = "") -> RelayedRequest:
-    from serving.relay import RelayedRequest
+    from serving.front.relay import RelayedRequest
 
     return RelayedRequest(method="POST", path=path, root_path=root_path, query_string=b"", headers=[], body=b"")
 
 
 def test_generation_requests_and_trials_wait_for_trials_read_only_routes_do_not() -> None:
-    from serving.routing import waits_for_trials
+    from serving.replica.routing import waits_for_trials
 
     assert waits_for_trials("forward", [relayed("/v1/chat/completions")])
     assert waits_for_trials("forward", [relayed("/v1/completions")])
@@ -41,7 +41,7 @@ def test_generation_requests_and_trials_wait_for_trials_read_only_routes_do_not(
 
 
 def test_replicas_in_a_trial_are_the_last_rank() -> None:
-    from serving.routing import IN_TRIAL, rank
+    from serving.replica.routing import IN_TRIAL, rank
 
     a, b, c = FakeReplica("a"), FakeReplica("b", {IN_TRIAL: True}), FakeReplica("c")
     for _ in range(20):
@@ -52,7 +52,7 @@ def test_replicas_in_a_trial_are_the_last_rank() -> None:
 
 
 def test_power_of_two_choices_first_then_the_rest() -> None:
-    from serving.routing import rank
+    from serving.replica.routing import rank
 
     replicas = [FakeReplica(str(i)) for i in range(5)]
     seen = set()
@@ -64,7 +64,7 @@ def test_power_of_two_choices_first_then_the_rest() -> None:
 
 
 def test_read_only_routes_ignore_trials() -> None:
-    from serving.routing import IN_TRIAL, rank
+    from serving.replica.routing import IN_TRIAL, rank
 
     a, b = FakeReplica("a", {IN_TRIAL: True}), FakeReplica("b")
     ranks = rank([a, b], avoid_trials=False)

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from serving.request import SamplingParams
+from serving.engine.request import SamplingParams
 from tests.helpers import collect
 
 if TYPE_CHECKING:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
 pytestmark = pytest.mark.engine
 
@@ -41,8 +41,8 @@ def test_a_json_schema_constraint_always_gives_valid_json(engine: Engine, temper
     """Greedy and sampled, as the server compiles a schema (an llguidance guide) and as a client's raw GBNF."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-    from serving.request import Constraint, ConstraintKind
-    from serving.structured import json_schema_guide
+    from serving.engine.request import Constraint, ConstraintKind
+    from serving.openai.structured import json_schema_guide
 
     constraint = json_schema_guide(PERSON) if kind == "guide" else Constraint(
         ConstraintKind.gbnf, json_schema_to_gbnf(json.dumps(PERSON)))
@@ -53,7 +53,7 @@ def test_a_json_schema_constraint_always_gives_valid_json(engine: Engine, temper
 
 
 def test_a_constraint_that_does_not_compile_is_refused(engine: Engine) -> None:
-    from serving.request import Constraint, ConstraintKind
+    from serving.engine.request import Constraint, ConstraintKind
 
     with pytest.raises(ValueError, match="grammar"):
         engine.submit([1, 2, 3], SamplingParams(constraint=Constraint(ConstraintKind.gbnf, "root ::= ( unclosed")))

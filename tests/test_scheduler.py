@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from serving.output import OutputProcessor
-from serving.prompt_cache import PromptCache, PromptPrices, StateBuffer
-from serving.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams
-from serving.scheduler import DECODE_FAILED, SAMPLER_FAILED, RequestOutput, Scheduler
+from serving.engine.output import OutputProcessor
+from serving.engine.prompt_cache import PromptCache, PromptPrices, StateBuffer
+from serving.engine.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams
+from serving.engine.scheduler import DECODE_FAILED, SAMPLER_FAILED, RequestOutput, Scheduler
 
 pytestmark = pytest.mark.unit
 
@@ -220,7 +220,7 @@ def test_busy_slots_stay_consecutive_unless_a_long_prefix_is_worth_a_split() -> 
     """llama.cpp decodes a step in one micro-batch only over consecutive sequence ids: two streams on slots 0
     and 3 would cost two graph runs a step. Caches everywhere (as after a 4-stream round), the second of two
     requests goes next to the first; a cached prefix of SPLIT_WORTH tokens still wins its slot."""
-    from serving.scheduler import SPLIT_WORTH
+    from serving.engine.scheduler import SPLIT_WORTH
 
     s, ctx = make(n_parallel=4, n_ctx_seq=2 * SPLIT_WORTH + 64, batch_capacity=4 * SPLIT_WORTH + 64)
     for i in range(4):  # every slot caches a prompt; slot 3's is the most recently used
@@ -490,7 +490,7 @@ def test_a_detokeniser_failure_fails_only_its_request() -> None:
     hb, hg = _Handle(bad), _Handle(good)
     outputs.add(bad, hb)
     outputs.add(good, hg)
-    from serving.request import Usage
+    from serving.engine.request import Usage
 
     deliveries, finished = outputs.process([RequestOutput(bad, Usage(1), token=3),
                                             RequestOutput(good, Usage(1), token=6)])
@@ -502,7 +502,7 @@ def test_a_reader_that_is_gone_gets_its_request_cancelled() -> None:
     outputs = OutputProcessor(PIECES.__getitem__)
     r = req([2])
     outputs.add(r, _Handle(r, alive=False))
-    from serving.request import Usage
+    from serving.engine.request import Usage
 
     deliveries, _ = outputs.process([RequestOutput(r, Usage(1), token=3)])
     outputs.deliver(deliveries)
@@ -529,14 +529,14 @@ def test_length_end_releases_held_back_text(stop: tuple[str, ...]) -> None:
     r = req([1], SamplingParams(max_tokens=1, stop=stop or ("<3>x",)))
     h = _Handle(r)
     outputs.add(r, h)
-    from serving.request import Usage
+    from serving.engine.request import Usage
 
     deliveries, _ = outputs.process([RequestOutput(r, Usage(1, 1), token=3, finish=FinishReason.length)])
     assert deliveries[0].chunk.text == "<3>" and deliveries[0].chunk.finish_reason == FinishReason.length
 
 
 def test_logprobs_ride_with_their_tokens() -> None:
-    from serving.request import TokenLogprob
+    from serving.engine.request import TokenLogprob
 
     class WithLogprobs(FakeContext):
         def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob:
@@ -621,7 +621,7 @@ def flat_clock() -> Callable[[], float]:
 
 
 def _spec_run(spec, n_parallel=1, max_tokens=20, **ctx_kw):  # noqa: ANN001, ANN202
-    from serving.speculate import SpecSettings
+    from serving.engine.speculate import SpecSettings
 
     ctx = Repeating(**ctx_kw)
     s = Scheduler(ctx, n_parallel, default_seed=1, spec=SpecSettings(**spec) if spec is not None else None,
@@ -644,7 +644,7 @@ def test_rejected_guesses_leave_the_cache_exactly_the_tokens_kept() -> None:
     class Surprising(Repeating):
         NEXT = {1: 2, 2: 3, 3: 7, 7: 4, 4: 1}  # after 3 the model says 7, the prompt said 4
 
-    from serving.speculate import SpecSettings
+    from serving.engine.speculate import SpecSettings
 
     ctx = Surprising()
     s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4), clock=flat_clock())
@@ -665,7 +665,7 @@ def test_eos_inside_a_draft_ends_with_stop() -> None:
     class Ending(Repeating):
         NEXT = {1: 2, 2: 3, 3: EOS}
 
-    from serving.speculate import SpecSettings
+    from serving.engine.speculate import SpecSettings
 
     ctx = Ending()
     s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4), clock=flat_clock())
@@ -676,7 +676,7 @@ def test_eos_inside_a_draft_ends_with_stop() -> None:
 
 
 def test_no_speculation_when_more_slots_are_busy_than_allowed() -> None:
-    from serving.speculate import SpecSettings
+    from serving.engine.speculate import SpecSettings
 
     ctx = Repeating()
     s = Scheduler(ctx, 2, default_seed=1, spec=SpecSettings(draft_max=4, max_busy=1), clock=flat_clock())

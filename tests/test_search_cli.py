@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from serving.config import EngineConfig
+from serving.engine.config import EngineConfig
 from tuning.confirm import Candidate, Confirmed, decide
 from tuning.options import Prefer, SearchOptions, Where, _parser, parse_options
 from tuning.report import TrialRow, config_label
 from tuning.results import Objective, TrialResult
-from serving.node import DeviceMemory, ReplicaPlace
+from serving.replica.node import DeviceMemory, ReplicaPlace
 from tuning.gpus import TrialSlots
 from tuning.report import nodes_section
 from tuning.search import (Confirmation, UserError, budget_bytes, choose_device, pick_summary, plan_line,
@@ -173,7 +173,7 @@ def test_the_pick_line_carries_the_confirmed_paired_ratios() -> None:
 
 
 def test_in_place_the_served_config_joins_the_confirmation_and_the_line_says_when_it_stays() -> None:
-    from serving.config import embedded_model_path
+    from serving.engine.config import embedded_model_path
     from tuning.memory import ModelShape, predict
 
     settings = SimpleNamespace(shape=ModelShape.from_gguf(embedded_model_path()), on_gpu=False)
@@ -241,7 +241,7 @@ def test_traffic_flags_that_do_not_fit_are_usage_errors(argv: list[str], message
 
 
 def _recorded(count: int) -> Any:
-    from serving.traffic import RequestKind, RequestShape, TrafficRecord
+    from serving.engine.traffic import RequestKind, RequestShape, TrafficRecord
 
     record = TrafficRecord(limit=100)
     for i in range(count):

@@ -1,4 +1,4 @@
-"""serving/slot_files.py: which file a slot action names, and the refusals (no engine needed)."""
+"""serving/openai/slot_files.py: which file a slot action names, and the refusals (no engine needed)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.api import APIError
-from serving.slot_files import SlotAction, SlotFileBody, slot_file
+from serving.front.errors import APIError
+from serving.openai.slot_files import SlotAction, SlotFileBody, slot_file
 
 pytestmark = pytest.mark.unit
 

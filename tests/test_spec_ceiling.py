@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from serving.speculate import SpecSettings
+from serving.engine.speculate import SpecSettings
 from tests.helpers import script_module
 
-pytestmark = pytest.mark.engine  # the script imports serving.llama (libllama) first, as every script does
+pytestmark = pytest.mark.engine  # the script imports serving.engine.llama (libllama) first, as every script does
 
 SETTINGS = SpecSettings(draft_max=8, ngram_min=2, ngram_max=3)
 PROMPT = list(range(100, 140))  # 40 distinct tokens

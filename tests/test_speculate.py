@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from serving.speculate import PromptLookup, SpecSettings
+from serving.engine.speculate import PromptLookup, SpecSettings
 
 
 @pytest.mark.unit
@@ -33,13 +33,13 @@ def test_no_match_no_guess_and_no_self_match() -> None:
 
 
 # -- on the real model -------------------------------------------------------------------------------
-from serving.config import EngineConfig  # noqa: E402
-from serving.request import SamplingParams  # noqa: E402
+from serving.engine.config import EngineConfig  # noqa: E402
+from serving.engine.request import SamplingParams  # noqa: E402
 from measure.workload import COPY_TASKS, source_text  # noqa: E402
 from tests.helpers import collect  # noqa: E402
 
 if TYPE_CHECKING:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
 CODE = '''def add(a, b):
     """Return the sum of a and b."""
@@ -55,7 +55,7 @@ COPY = f"Repeat this code exactly, then stop:\n\n{CODE}\nHere it is again:\n"
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[Engine, Engine]:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     plain = Engine(EngineConfig(n_parallel=2, n_ctx=2048, seed=3))
     spec = Engine(EngineConfig(n_parallel=2, n_ctx=2048, seed=3, spec_mode="ngram", spec_draft_max=8))
@@ -92,7 +92,7 @@ def test_stop_strings_and_max_tokens_inside_a_draft_end_where_plain_decoding_doe
 @pytest.mark.engine
 def test_rollback_leaves_the_cache_exactly_the_tokens_it_holds(pair: tuple[Engine, Engine]) -> None:
     """A follow-up that reuses the speculating slot's cache must answer as an engine with nothing cached."""
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     plain, spec = pair
     first = _chat(spec, COPY)
@@ -111,7 +111,7 @@ def test_rollback_leaves_the_cache_exactly_the_tokens_it_holds(pair: tuple[Engin
 def batch_invariant_pair() -> tuple[Engine, Engine]:
     """Engines whose logits on CPU do not depend on what else is in the batch: a q8_0 K cache with flash
     attention (scripts/batch_numerics.py; an f16 cache takes another kernel for a lone row past 512 cells)."""
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     base = {"n_parallel": 3, "n_ctx": 3 * 2048, "seed": 3, "type_k": "q8_0", "type_v": "q8_0", "flash_attn": "on"}
     plain = Engine(EngineConfig(**base))
@@ -148,7 +148,7 @@ def test_sampled_requests_stay_seeded_with_speculation(pair: tuple[Engine, Engin
 
 
 # -- how many guesses pay: the draft length policy -----------------------------------------------------------
-from serving.speculate import (  # noqa: E402
+from serving.engine.speculate import (  # noqa: E402
     COST_WINDOW, PROBE_EVERY, UNTIMED_PROBE, Acceptance, StepCosts, could_pay, draft_length, expected_tokens,
 )
 
@@ -293,7 +293,7 @@ import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
-from serving.speculate import ModelDrafter  # noqa: E402
+from serving.engine.speculate import ModelDrafter  # noqa: E402
 
 
 class FakeDraft:
@@ -400,7 +400,7 @@ def test_a_draft_model_as_slow_as_the_model_stops_costing_after_its_first_timed_
     """By a clock where a draft decode takes as long as a step of the model, guessing cannot pay even if
     every guess held: once a guess is timed, no more guesses, and the next request's prompt is not taken into
     the draft (a probe would then cost it the whole prompt); the tokens are the model's all along."""
-    from serving.scheduler import Scheduler
+    from serving.engine.scheduler import Scheduler
     from tests.test_scheduler import Repeating, flat_clock, req, run, tokens_of
 
     ctx, draft = Repeating(), FakeDraft()
@@ -431,7 +431,7 @@ def test_draft_mode_needs_a_draft_model() -> None:
 @pytest.mark.engine
 def test_self_drafting_gives_the_same_greedy_text(pair: tuple[Engine, Engine]) -> None:
     """The embedded model as its own draft model: every guess it verifies is what it would have said."""
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     plain, _ = pair
     model = plain.config.model_path
@@ -453,7 +453,7 @@ def test_self_drafting_gives_the_same_greedy_text(pair: tuple[Engine, Engine]) -
 def test_a_draft_cut_from_the_model_shares_its_vocabulary(tmp_path: Path) -> None:
     """scripts/make_draft_gguf.py: the first blocks of the embedded model, a draft llama.cpp loads and the
     engine accepts (same vocabulary), with the block count it was asked for."""
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
     import importlib.util
     import sys
@@ -483,7 +483,7 @@ def test_a_draft_cut_from_the_model_shares_its_vocabulary(tmp_path: Path) -> Non
 def test_speculation_counters_reach_the_metrics_as_deltas() -> None:
     """/metrics: the engine's totals become counters that grow by what was counted since the last snapshot
     (an engine restart starts its totals again), and the acceptance rate a gauge."""
-    from serving.metrics import ReplicaMetrics
+    from serving.replica.metrics import ReplicaMetrics
 
     def lines(text: bytes) -> dict[str, float]:
         return {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.decode().splitlines()
@@ -504,7 +504,7 @@ def test_speculation_counters_reach_the_metrics_as_deltas() -> None:
 def test_prompt_cache_counts_reach_the_metrics() -> None:
     """/metrics: the prompt cache's hits, restored tokens, evictions, saves and skipped saves as counters
     growing by the engine's deltas, its bytes and entries as gauges; nothing when the cache is off."""
-    from serving.metrics import ReplicaMetrics
+    from serving.replica.metrics import ReplicaMetrics
 
     def lines(text: bytes) -> dict[str, float]:
         return {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.decode().splitlines()

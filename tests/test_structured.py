@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from serving.reasoning import ThinkSplitter, split_reasoning
-from serving.tools import CallMode, ToolCallStream, messages_for_plain_template, parse_tool_calls
+from serving.openai.reasoning import ThinkSplitter, split_reasoning
+from serving.openai.tools import CallMode, ToolCallStream, messages_for_plain_template, parse_tool_calls
 
 
 @pytest.mark.unit
@@ -133,8 +133,8 @@ def test_text_without_think_is_all_content() -> None:
 
 @pytest.mark.engine
 def test_guides_compile_and_bad_schemas_say_why() -> None:
-    from serving.request import ConstraintKind
-    from serving.structured import GrammarError, json_schema_guide, response_format_guide, tool_call_guide
+    from serving.engine.request import ConstraintKind
+    from serving.openai.structured import GrammarError, json_schema_guide, response_format_guide, tool_call_guide
 
     guide = json_schema_guide({"type": "object", "properties": {"a": {"type": "integer"}}})
     assert guide.kind is ConstraintKind.guide and '"a"' in guide.text
@@ -156,7 +156,7 @@ def test_guides_compile_and_bad_schemas_say_why() -> None:
 
 @pytest.mark.engine
 def test_forced_call_schemas_get_length_bounds() -> None:
-    from serving.structured import CALL_BOUNDS, bounded
+    from serving.openai.structured import CALL_BOUNDS, bounded
 
     schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string", "enum": ["x"]},
                                                "c": {"type": "array", "items": {"type": "string", "maxLength": 3}}}}
@@ -166,11 +166,11 @@ def test_forced_call_schemas_get_length_bounds() -> None:
     assert "maxLength" not in schema["properties"]["a"]  # the caller's schema is left as it was
 
 
-@pytest.mark.engine  # serving.structured loads libllama (its schema converter)
+@pytest.mark.engine  # serving.openai.structured loads libllama (its schema converter)
 def test_bounds_keep_what_the_schema_says() -> None:
     """A default never makes a schema unsatisfiable (minLength over it), JSON values (enum, const) are not
     schemas, and a property may be named like a keyword."""
-    from serving.structured import ANSWER_BOUNDS, bounded
+    from serving.openai.structured import ANSWER_BOUNDS, bounded
 
     schema = {"type": "object", "properties": {
         "long": {"type": "string", "minLength": 5000}, "many": {"type": "array", "minItems": 100},
@@ -185,7 +185,7 @@ def test_bounds_keep_what_the_schema_says() -> None:
 def test_answer_schemas_are_bounded_too() -> None:
     """response_format json_schema (and llama-server's json_schema) get bounds where the schema sets none,
     so an answer closes on its own; a bound the client set is its own."""
-    from serving.structured import ANSWER_BOUNDS, json_schema_guide, response_format_guide
+    from serving.openai.structured import ANSWER_BOUNDS, json_schema_guide, response_format_guide
 
     assert json_schema_guide({"type": "string"}) == json_schema_guide({"type": "string",
                                                                          "maxLength": ANSWER_BOUNDS.string})
@@ -195,7 +195,7 @@ def test_answer_schemas_are_bounded_too() -> None:
 
 @pytest.mark.unit
 def test_chat_template_sees_tools_and_template_kwargs() -> None:
-    from serving.chat_template import ChatTemplate
+    from serving.engine.chat_template import ChatTemplate
 
     source = ("{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
               "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
@@ -220,8 +220,8 @@ def costs() -> Iterator[ModuleType]:
 def test_guide_costs_replays_each_modes_answer_through_its_guide(costs: ModuleType) -> None:
     """scripts/guide_costs.py's answers stay valid for bench_constrained's guides (a refused token is an
     error there, not a figure), and every call is timed once per token."""
-    from serving.config import EngineConfig
-    from serving.llama import LlamaModel
+    from serving.engine.config import EngineConfig
+    from serving.engine.llama import LlamaModel
 
     model = LlamaModel(EngineConfig().model_path, n_gpu_layers=0)
     try:
@@ -237,14 +237,14 @@ def test_guide_costs_replays_each_modes_answer_through_its_guide(costs: ModuleTy
 
 @pytest.mark.engine
 def test_a_guide_masks_ahead_what_llguidance_masks_inline(costs: ModuleType) -> None:
-    """The mask a guide computes on its worker thread (serving/guided.py) is, at every token of an answer, the
+    """The mask a guide computes on its worker thread (serving/engine/guided.py) is, at every token of an answer, the
     one llguidance computes inline; its bit refuses what the mask refuses; the best allowed token wins over a
     better refused one; a worker's error fails the job that asked, and the next job still runs."""
     import numpy as np
 
-    from serving.config import EngineConfig
-    from serving.guided import Guided, MaskWorker
-    from serving.llama import LlamaModel
+    from serving.engine.config import EngineConfig
+    from serving.engine.guided import Guided, MaskWorker
+    from serving.engine.llama import LlamaModel
 
     model = LlamaModel(EngineConfig().model_path, n_gpu_layers=0)
     worker = MaskWorker()

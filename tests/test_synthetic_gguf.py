@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 import pytest
 
-from serving.request import SamplingParams
+from serving.engine.request import SamplingParams
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_gguf.py"
 TINY_FLAGS = ["--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--ffn", "512"]
@@ -179,8 +179,8 @@ def test_reader_metadata_and_shapes(msg: ModuleType, embedded: object, tiny_mode
 def test_llama_cpp_loads_and_evaluates(embedded: object, tiny_models: dict, key: str) -> None:
     """llama.cpp must accept the file through our engine (the one loading path): load, tokenise with the copied
     tokenizer, render its chat template, score the prompt and generate."""
-    from serving.config import EngineConfig
-    from serving.engine import Engine
+    from serving.engine.config import EngineConfig
+    from serving.engine.core import Engine
 
     model = tiny_models[key]
     engine = Engine(EngineConfig(model=model.path, n_ctx=256, n_parallel=1, n_batch=64, n_ubatch=64, n_threads=2,
@@ -208,8 +208,8 @@ def test_a_draft_model_must_share_the_vocabulary_and_its_wrong_guesses_change_no
     embedded model's greedy text is still its own (every rejected guess rolled back)."""
     from tests.helpers import collect
 
-    from serving.config import EngineConfig, embedded_model_path
-    from serving.engine import Engine, EngineError
+    from serving.engine.config import EngineConfig, embedded_model_path
+    from serving.engine.core import Engine, EngineError
 
     base = EngineConfig(n_ctx=1024, n_parallel=1, seed=1)
     with pytest.raises(EngineError, match="does not share the vocabulary"):

@@ -1,4 +1,4 @@
-"""The traffic record (serving/traffic.py): bounded, mergeable over replicas, never holding text; recorded by
+"""The traffic record (serving/engine/traffic.py): bounded, mergeable over replicas, never holding text; recorded by
 the engine for client requests only; /traffic and the request histograms of /metrics over HTTP."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from serving.request import Constraint, ConstraintKind, FinishReason, SamplingParams, Usage
-from serving.traffic import (CACHED_FRACTION_EDGES, TOKEN_EDGES, Histogram, RequestKind, RequestShape,
+from serving.engine.request import Constraint, ConstraintKind, FinishReason, SamplingParams, Usage
+from serving.engine.traffic import (CACHED_FRACTION_EDGES, TOKEN_EDGES, Histogram, RequestKind, RequestShape,
                              ShapeInProgress, TrafficRecord, TrafficSummary, TrafficTag, merge_summaries)
 from tests.conftest import assert_generated, sse_events
 
@@ -155,8 +155,8 @@ def test_the_engine_records_a_client_request_without_its_text_and_not_untagged_w
 
 @pytest.mark.unit
 def test_the_traffic_module_imports_neither_libllama_nor_ray() -> None:
-    code = ("import sys, serving.traffic; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "{'ray', 'llama_cpp', 'serving.llama'} or m == 'serving.llama'))")
+    code = ("import sys, serving.engine.traffic; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "{'ray', 'llama_cpp', 'serving.engine.llama'} or m == 'serving.engine.llama'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 

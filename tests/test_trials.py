@@ -1,4 +1,4 @@
-"""In-place trials and client turns on one engine (serving/trials.py), with a fake engine: no model, no Ray."""
+"""In-place trials and client turns on one engine (serving/replica/trials.py), with a fake engine: no model, no Ray."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from serving.api import APIError
-from serving.config import EngineConfig
-from serving.trials import TrialHost
+from serving.front.errors import APIError
+from serving.engine.config import EngineConfig
+from serving.replica.trials import TrialHost
 
 pytestmark = pytest.mark.unit
 
@@ -116,7 +116,7 @@ def test_a_trial_waits_for_admitted_requests_and_for_clients_on_their_way() -> N
         trial = asyncio.create_task(host.run_trial("s", 1, TRIAL, lambda e: order.append("measured") or {}))
         await asyncio.sleep(0.15)
         assert order == [], "the trial waits for the client that is on its way"
-        assert host.busy_with_trials, "a waiting trial already steers new clients elsewhere (serving/routing.py)"
+        assert host.busy_with_trials, "a waiting trial already steers new clients elsewhere (serving/replica/routing.py)"
         leave.set()
         await c
         await asyncio.sleep(0.15)
@@ -215,7 +215,7 @@ def test_a_published_config_stops_the_measuring_trial_within_a_round() -> None:
     import threading
     import time
 
-    from serving.trials import TrialAbandoned
+    from serving.replica.trials import TrialAbandoned
 
     engine, handles, submitted = FakeEngine(), [], threading.Event()
 

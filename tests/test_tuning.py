@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from serving.config import (CacheType, CpuRepack, EngineConfig, FlashAttn, SpecMode, embedded_model_path,
+from serving.engine.config import (CacheType, CpuRepack, EngineConfig, FlashAttn, SpecMode, embedded_model_path,
                             load_engine_config)
 from tuning.memory import GPU_PROCESS_HOST_OVERHEAD, GiB, MiB, ModelShape, kv_cache_bytes, parse_bytes, predict
 from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
@@ -514,8 +514,8 @@ def test_parse_bytes() -> None:
 @pytest.mark.engine
 @pytest.mark.timeout(120)
 def test_measured_engine_memory_is_near_the_prediction(shape: ModelShape) -> None:
-    from serving.engine import Engine
-    from serving.request import SamplingParams
+    from serving.engine.core import Engine
+    from serving.engine.request import SamplingParams
     from measure.device import rss_bytes
 
     config = EngineConfig(n_parallel=1, n_ctx=1024, n_batch=256, n_ubatch=256)
@@ -697,13 +697,13 @@ def wide_ffn_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 ])
 def test_the_memory_models_terms_match_what_llama_cpp_allocates(gguf: str, overrides: dict[str, Any],
                                                                  request: pytest.FixtureRequest) -> None:
-    """Term by term against llama.cpp's own report of its buffers (serving/buffers.py), on the CPU: the weights
+    """Term by term against llama.cpp's own report of its buffers (serving/engine/buffers.py), on the CPU: the weights
     and the K/V cache to 1%; the compute buffers never under and at most 7% over (the largest graph stage and
     the allocator's fragmentation allowance: an over-prediction leaves memory unused, an under-prediction lets
     a config through that does not fit). Two models, so both stages that can be the largest are checked: the
     embedded one's logits, the wide one's feed-forward (and, without flash attention, the f32 mask with it)."""
-    from serving.buffers import llama_buffers
-    from serving.engine import Engine
+    from serving.engine.buffers import llama_buffers
+    from serving.engine.core import Engine
 
     path = embedded_model_path() if gguf == "embedded" else request.getfixturevalue("wide_ffn_model")
     shape = ModelShape.from_gguf(path)
@@ -720,7 +720,7 @@ def test_the_memory_models_terms_match_what_llama_cpp_allocates(gguf: str, overr
 
 @pytest.mark.engine
 def test_a_draft_model_counts_in_the_memory_prediction(shape: ModelShape) -> None:
-    from serving.config import embedded_model_path
+    from serving.engine.config import embedded_model_path
 
     plain = EngineConfig(n_parallel=2, n_ctx=2048)
     drafting = plain.model_copy(update={"spec_mode": SpecMode.draft, "draft_model": embedded_model_path()})

@@ -13,7 +13,7 @@ from measure.targets import EngineTarget
 from measure.workload import Capacity, CapacityPoint, PromptSet, Runner, Workload, capacity_levels
 
 if TYPE_CHECKING:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
 
 @pytest.mark.unit
@@ -93,7 +93,7 @@ def test_under_ignore_eos_every_prompt_of_both_sets_opens_with_text(engine: Engi
     first 100 raw prompts opened with SmolLM2's EOS (greedy, the embedded model), none of the chat ones."""
     from measure.targets import prompt_tokens
     from measure.workload import Prompts
-    from serving.request import SamplingParams
+    from serving.engine.request import SamplingParams
 
     for prompt_set in (PromptSet.plain, PromptSet.chat):
         prompts = Prompts(prompt_set)

@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serving.config import EngineConfig
+from serving.engine.config import EngineConfig
 
 PICK_WITHIN = 0.05  # balanced: best aggregate among candidates within 5% of the best single stream
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from pathlib import Path
 
-from serving.config import EngineConfig, load_engine_config
+from serving.engine.config import EngineConfig, load_engine_config
 from tuning.memory import ModelShape, parse_bytes, predict
 
 ARTICLE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "article.yaml"

@@ -3,7 +3,7 @@
 Offline trials take one GPU each, wherever Ray finds one, on any node of the cluster. Before the study, every free
 GPU is reserved at once (a placement group of one-GPU bundles: each bundle its own GPU) and a task in each bundle
 reports its node, the GPU Ray gave it (NVML on that node) and whether the llama.cpp build there can put layers on
-it: `serving.node.here`, what the serving replicas report too. The study's device and memory budget come from
+it: `serving.replica.node.here`, what the serving replicas report too. The study's device and memory budget come from
 these, never from the machine the tuner runs on, which may have no GPU (a cluster's head node).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from serving.node import Placed, ReplicaPlace
+from serving.replica.node import Placed, ReplicaPlace
 
 PROBE_TIMEOUT_S = 120.0
 
@@ -66,7 +66,7 @@ def free_gpu_places(gpus: int, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[Repl
 
 def _place(bundle: int) -> dict[str, Any]:
     """Runs on the GPU's node: its place as a replica there would report it."""
-    from serving import llama
-    from serving.node import here
+    from serving.engine import llama
+    from serving.replica.node import here
 
     return here(f"trial slot {bundle}", llama.gpu_offload_supported()).as_dict()

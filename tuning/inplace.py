@@ -2,7 +2,7 @@
 
 On one GPU that is serving, a second engine beside the replica would be a second copy of the weights on
 the card and a measurement competing with live traffic for bandwidth. In place, each replica is a trial
-slot: a trial takes its engine between client requests (serving/trials.py), rebuilds only the context,
+slot: a trial takes its engine between client requests (serving/replica/trials.py), rebuilds only the context,
 and runs the same measurement as an offline trial (tuning/objective.py's `measure_engine`), with the
 memory of the whole device. The study ends with a config published to every replica: the pick, or, when
 the study is interrupted, the config they served before.
@@ -18,11 +18,11 @@ from typing import Any
 from ray import serve
 from ray.tune import Callback
 
-from serving.config import EngineConfig
-from serving.control import DEPLOYMENT_NAME
-from serving.node import Placed, ReplicaPlace
-from serving.traffic import TrafficSummary
-from serving.trials import TrialRun
+from serving.engine.config import EngineConfig
+from serving.replica.control import DEPLOYMENT_NAME
+from serving.replica.node import Placed, ReplicaPlace
+from serving.engine.traffic import TrafficSummary
+from serving.replica.trials import TrialRun
 from tuning.objective import InPlaceMeasure, SpeedMeasure
 from tuning.results import Measurement, MeasuredRun, SpeedFigures, TrialResult
 from tuning.trial import ConfigTrial, TrialSettings

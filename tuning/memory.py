@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from serving.config import CacheType, EngineConfig, FlashAttn
+from serving.engine.config import CacheType, EngineConfig, FlashAttn
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -15,9 +15,9 @@ from importlib import resources
 
 from measure.targets import EngineTarget
 from measure.workload import Capacity, PromptSet, Runner, Speed, Workload
-from serving.config import CacheType
-from serving.engine import Engine
-from serving.node import node_label
+from serving.engine.config import CacheType
+from serving.engine.core import Engine
+from serving.replica.node import node_label
 from tuning.device import DeviceProbe
 from tuning.results import CurvePoint, Measurement, SpeedFigures
 from tuning.workloads import TrafficPlan

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from serving.config import EngineConfig
+from serving.engine.config import EngineConfig
 from tuning.results import Objective, TrialResult
 
 __all__ = ["Objective", "TrialRow", "markdown", "pareto_front", "pick", "rows_from_study", "trial_table"]

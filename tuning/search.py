@@ -24,9 +24,9 @@ os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic progress table w
 os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")  # Ctrl-C reaches main(): stop, and restore in place
 
 # Nothing heavy at the top: `--help` and a bad flag answer at once. Ray, Optuna and the engine (whose
-# serving/llama.py loads ray before libllama) are imported where they are first needed.
+# serving/engine/llama.py loads ray before libllama) are imported where they are first needed.
 from measure.workload import Workload  # noqa: E402
-from serving.config import (CacheType, EngineConfig, FlashAttn, SpecMode, default_threads,  # noqa: E402
+from serving.engine.config import (CacheType, EngineConfig, FlashAttn, SpecMode, default_threads,  # noqa: E402
                             load_engine_config)
 from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
 from tuning.options import REPO_ROOT, DeviceChoice, Sampler, SearchOptions, Where, parse_options  # noqa: E402

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from serving.config import CacheType, EngineConfig, FlashAttn, SpecMode
+from serving.engine.config import CacheType, EngineConfig, FlashAttn, SpecMode
 from tuning.fit import ExpertEnd, expert_placement, fewest_expert_layers, most_layers
 from tuning.memory import ModelShape
 

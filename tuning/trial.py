@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from serving import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/llama.py)
+from serving.engine import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/engine/llama.py)
 
 from ray import tune
 
-from serving.buffers import llama_buffers
-from serving.config import EngineConfig
-from serving.engine import Engine, EngineError
+from serving.engine.buffers import llama_buffers
+from serving.engine.config import EngineConfig
+from serving.engine.core import Engine, EngineError
 from tuning.device import DeviceProbe
 from tuning.memory import ModelShape, predict
 from tuning.objective import Runner, SpeedMeasure, Workload, measure_engine

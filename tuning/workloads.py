@@ -24,7 +24,7 @@ from tuning.options import BENCHMARK, LIVE, LIVE_MIN_REQUESTS, SearchOptions
 from tuning.results import TrafficFigures
 
 if TYPE_CHECKING:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
     from tuning.inplace import ServingApp
 
 

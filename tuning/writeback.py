@@ -1,7 +1,7 @@
 """Write-back: the winning config to configs/tuned.yaml (atomically), and to a running Serve app (live).
 
 The file is what `serve run serving.app:main` loads next time. The live path publishes the config on the
-app's ConfigChannel (serving/control.py) and waits until every LlamaServer replica has drained, rebuilt its
+app's ConfigChannel (serving/replica/control.py) and waits until every LlamaServer replica has drained, rebuilt its
 context and acknowledged; requests arriving meanwhile wait in the engine's queue and none fails.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from serving.config import EngineConfig
+from serving.engine.config import EngineConfig
 
 
 def write_config(path: Path, config: EngineConfig, header: str = "") -> None:
@@ -59,7 +59,7 @@ def apply_to_serve(config: EngineConfig, app_name: str | None = None, address: s
     import ray
     from ray import serve
 
-    from serving.control import CHANNEL_NAME, DEPLOYMENT_NAME
+    from serving.replica.control import CHANNEL_NAME, DEPLOYMENT_NAME
 
     if not ray.is_initialized():
         try:

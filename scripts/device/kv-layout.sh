@@ -19,7 +19,7 @@ BUILD=${BUILD:-/tmp/lcpp}
 MODEL=${MODEL:-/tmp/m27.gguf}
 # shellcheck source=scripts/device/study-common.sh
 source "$(dirname "$0")/study-common.sh"  # say, finish; the build waited for, the model written
-SMOL=${SMOL:-$(python3 -c "from serving.config import embedded_model_path as p; print(p())" 2>/dev/null)}
+SMOL=${SMOL:-$(python3 -c "from serving.engine.config import embedded_model_path as p; print(p())" 2>/dev/null)}
 RC=0
 ray stop --force > /dev/null 2>&1
 say "27B-class in process, per-slot against unified"

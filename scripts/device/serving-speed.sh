@@ -30,7 +30,7 @@ MODEL=${MODEL:-/tmp/m27.gguf}
 # shellcheck source=scripts/device/study-common.sh
 source "$(dirname "$0")/study-common.sh"  # say, finish; the build waited for, the model written
 SERVER=$BUILD/build/bin/llama-server
-SMOL=${SMOL:-$(python3 -c "from serving.config import embedded_model_path as p; print(p())" 2>/dev/null)}
+SMOL=${SMOL:-$(python3 -c "from serving.engine.config import embedded_model_path as p; print(p())" 2>/dev/null)}
 [ -f "$SMOL" ] || { say "no embedded model at $SMOL"; finish 6; }
 
 if [ "${CONSTRAINED:-1}" != 0 ]; then

@@ -6,8 +6,8 @@ engine-host split) that takes every HTTP request.
   503 when none does. It answers at once even while the only engine replica is dead or restarting, where
   Serve's proxy would hold a request for that replica until a new one exists, and while an engine replica's
   event loop is busy with a flood of requests.
-- The HTTP rules are kept here, bound when the app is built (serving/http.py's HttpRules): CORS, the API
-  key, the body limit. Every request that passes them is relayed to an engine replica (serving/relay.py),
+- The HTTP rules are kept here, bound when the app is built (serving/front/http.py's HttpRules): CORS, the API
+  key, the body limit. Every request that passes them is relayed to an engine replica (serving/front/relay.py),
   whose own app answers it; CORS wraps the relayed answer and every refusal alike, so a browser can read
   both. Serve routes each relayed request to the replica with the fewest ongoing requests.
 - A lost engine replica is a clean error: 503 with OpenAI's error JSON and Retry-After before the answer
@@ -30,8 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from serving.http import AsgiAnswer, HttpRules, request_id, route_path
-from serving.relay import PartStream, RelayedRequest, RelayResponse
+from serving.front.http import AsgiAnswer, HttpRules, request_id, route_path
+from serving.front.relay import PartStream, RelayedRequest, RelayResponse
 
 log = logging.getLogger("serving")
 

@@ -9,7 +9,7 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from serving.config import default_threads
+from serving.engine.config import default_threads
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
@@ -35,7 +35,7 @@ class ReplicaPlace:
     visible_devices: str | None  # CUDA_VISIBLE_DEVICES as Ray set it for this replica (None: not set)
     gpus: tuple[DeviceMemory, ...]
     offload: bool
-    threads: int  # what an engine here runs when its config sets none (serving.config.default_threads)
+    threads: int  # what an engine here runs when its config sets none (serving.engine.config.default_threads)
 
     @property
     def gpu_memory_total(self) -> int | None:

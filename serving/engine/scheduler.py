@@ -6,7 +6,7 @@ one token for every slot whose last batch row produced logits. Requests join and
 
 A slot keeps the tokens of its last request in the K/V cache after it finishes; a new request goes to the
 free slot whose cache shares the longest prefix with its prompt, and only the rest is prefilled. This is
-what makes a follow-up chat turn cheap. With a host-RAM prompt cache (serving/prompt_cache.py, llama-server's
+what makes a follow-up chat turn cheap. With a host-RAM prompt cache (serving/engine/prompt_cache.py, llama-server's
 --cache-ram), a finished slot's state is saved while the engine is idle (save_idle), or at the latest before an
 unrelated prompt drops its cells (unless a stored state covers all of it but what prefills again faster than
 the copy, as measured here), and a prompt that extends a saved state further than any slot's cache gets it
@@ -14,7 +14,7 @@ restored into the least recently used slot.
 
 The scheduler never touches text, handles or threads (vLLM v1's split): it reaches llama.cpp only through
 the small `ModelContext` protocol, and reports each step as a list of typed `RequestOutput`s that the
-output processor (serving/output.py) turns into text for the callers. So everything here runs against a
+output processor (serving/engine/output.py) turns into text for the callers. So everything here runs against a
 fake context in milliseconds (tests/test_scheduler.py). The engine's step thread is its only caller.
 """
 
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from serving.prompt_cache import CachedPrompt, PromptCache, StateBuffer, common_prefix
-from serving.request import FinishReason, Request, SamplingParams, TokenLogprob, Usage
-from serving.speculate import (
+from serving.engine.prompt_cache import CachedPrompt, PromptCache, StateBuffer, common_prefix
+from serving.engine.request import FinishReason, Request, SamplingParams, TokenLogprob, Usage
+from serving.engine.speculate import (
     Acceptance, DraftContext, Drafter, ModelDrafter, PromptLookup, SpecSettings, StepCosts, could_pay, draft_length,
 )
 

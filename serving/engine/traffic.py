@@ -12,7 +12,7 @@ another's (counts add, histograms add bucket by bucket, recent arrivals interlea
 /traffic can answer for the whole service. Arrival times are wall-clock (`time.time()`) for the same reason:
 two replicas' arrivals line up on one time axis, and a replay can keep the gaps between them.
 
-Pure data: no libllama, no Ray, no locks. The engine (serving/engine.py) writes its record from the step
+Pure data: no libllama, no Ray, no locks. The engine (serving/engine/core.py) writes its record from the step
 thread and reads it from other threads under a lock of its own; JSON appears only in `as_dict`, at the route.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import asdict, astuple, dataclass, field
 from enum import Enum
 from typing import Any
 
-from serving.request import FinishReason, SamplingParams, Usage
+from serving.engine.request import FinishReason, SamplingParams, Usage
 
 DEFAULT_LIMIT = 4096  # shapes a record keeps: about 0.5 MB of JSON, minutes to hours of a busy replica
 # vLLM's 1-2-5 buckets for its request_prompt_tokens / request_generation_tokens histograms

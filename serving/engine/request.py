@@ -28,7 +28,7 @@ class FinishReason(str, Enum):
 
 
 class ConstraintKind(str, Enum):
-    """Which machinery enforces a constraint, token by token (serving/llama.py's SamplerChain)."""
+    """Which machinery enforces a constraint, token by token (serving/engine/llama.py's SamplerChain)."""
 
     gbnf = "gbnf"  # a client's raw GBNF grammar (llama-server's `grammar`): llama.cpp's grammar sampler
     guide = "guide"  # an llguidance grammar (response_format, json_schema, forced tool calls): a token mask
@@ -36,7 +36,7 @@ class ConstraintKind(str, Enum):
 
 @dataclass(frozen=True)
 class Constraint:
-    """What a request's answer must match: grammar text of its kind (serving/structured.py compiles it)."""
+    """What a request's answer must match: grammar text of its kind (serving/openai/structured.py compiles it)."""
 
     kind: ConstraintKind
     text: str
@@ -47,7 +47,7 @@ class SamplingParams:
     """What one request asks of the sampler and of generation.
 
     `max_tokens=None` means "until the slot's context is full". Values are validated by the API layer
-    (serving/api.py); the engine trusts them.
+    (serving/openai/requests.py); the engine trusts them.
     """
 
     max_tokens: int | None = None

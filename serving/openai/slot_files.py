@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.api import APIError
+from serving.front.errors import APIError
 
 MAX_FILENAME = 255
 NOT_ENABLED = ("slot files are off on this server: start it with slot_save_path=DIR (llama-server's "

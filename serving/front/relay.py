@@ -1,4 +1,4 @@
-"""One HTTP exchange carried across a Serve deployment handle: the ingress (serving/ingress.py) sends a
+"""One HTTP exchange carried across a Serve deployment handle: the ingress (serving/front/ingress.py) sends a
 `RelayedRequest`, an engine replica runs it through its own FastAPI app (`run_relayed`) and streams back
 `RelayedPart`s, which the ingress replays to the client (`RelayResponse`).
 
@@ -25,8 +25,8 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.api import APIError, internal_error
-from serving.http import DONE, error_response, responses_error
+from serving.front.errors import APIError, internal_error
+from serving.front.http import DONE, error_response, responses_error
 
 log = logging.getLogger("serving")
 
@@ -203,7 +203,7 @@ class RelayResponse(Response):
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     def _error_event(self, err: APIError) -> bytes:
-        """The end of a cut stream, as the route would have ended it (serving/openai.py)."""
+        """The end of a cut stream, as the route would have ended it (serving/openai/routes.py)."""
         if self._path.endswith(RESPONSES_PATH):  # the Responses API: a typed error event, no [DONE]
             return f"event: error\ndata: {json.dumps({'type': 'error', **responses_error(err)})}\n\n".encode()
         return f"data: {json.dumps(err.body())}\n\n{DONE}".encode()

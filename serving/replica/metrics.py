@@ -9,7 +9,7 @@ Serve's deployment/replica tags, so a Prometheus that scrapes the agents misses 
 
 Counters and TTFT are recorded as requests finish (once per request, never per token). The per-request
 token histograms (vLLM's request_prompt_tokens / request_generation_tokens / request_params_n) come from the
-engine's traffic record (serving/traffic.py): one sample per client request, all its choices counted, taken
+engine's traffic record (serving/engine/traffic.py): one sample per client request, all its choices counted, taken
 with the snapshot. Queue depth and busy slots come from the engine's snapshot: sampled each second for Ray,
 read fresh for each scrape of `/metrics`. The decode loop never touches a metric.
 """
@@ -21,8 +21,8 @@ from typing import Any
 import prometheus_client as prom
 from ray.serve import metrics as ray_metrics
 
-from serving.request import FinishReason, Usage
-from serving.traffic import N_EDGES, TOKEN_EDGES, RequestShape
+from serving.engine.request import FinishReason, Usage
+from serving.engine.traffic import N_EDGES, TOKEN_EDGES, RequestShape
 
 TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 E2E_BOUNDARIES_S = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]

@@ -18,7 +18,7 @@ from typing import Any
 
 from ray import serve
 
-from serving.config import EngineConfig
+from serving.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

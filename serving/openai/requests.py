@@ -1,4 +1,4 @@
-"""OpenAI request/response shapes and OpenAI's error JSON. Pure data: no Ray, no libllama, no FastAPI.
+"""OpenAI request/response shapes. Pure data: no Ray, no libllama, no FastAPI.
 
 Requests are parsed into typed models; values out of range get a 400 naming the parameter. Nothing is
 silently ignored: a field this server does not implement gets a 400 naming it (`unsupported_fields`),
@@ -18,8 +18,9 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serving.reasoning import ReasoningFormat
-from serving.request import Constraint, SamplingParams
+from serving.engine.request import Constraint, SamplingParams
+from serving.front.errors import APIError
+from serving.openai.reasoning import ReasoningFormat
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # stop strings are matched against the text on every token: keep each one short
@@ -29,35 +30,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; completions allow 5
 NO_EFFECT_FIELDS = frozenset({  # accepted: they never change what is generated
     "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "cache_prompt",
 })
-
-
-class APIError(Exception):
-    """An error to send back as OpenAI's error JSON with this HTTP status (and these headers)."""
-
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, details: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-        self.details = details or {}  # more fields for the error object (llama-server's, e.g. n_ctx)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
-                          **self.details}}
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    """OpenAI's error JSON, for the OpenAPI schema (what every 4xx/5xx of this server carries)."""
-
-    error: ErrorDetail
 
 
 def _encodable(text: str) -> str:
@@ -282,7 +254,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="with tool_choice required: true allows several "
-                                             "calls; unset or false, one (serving/openai.py plan_tools)")
+                                             "calls; unset or false, one (serving/openai/routes.py plan_tools)")
     reasoning_format: ReasoningFormat = Field(ReasoningFormat.auto, description="llama-server's: none leaves "
                                               "<think> text in the content; auto/deepseek move it to "
                                               "reasoning_content")
@@ -328,46 +300,6 @@ class CompletionRequest(_SamplingFields):
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
-
-
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """Turn pydantic/FastAPI validation errors into one OpenAI-style 400 naming one bad parameter.
-
-    For a union (`prompt` is text, token ids or a list of text) pydantic reports every member; the one
-    that got deepest into the value is the one that matched the client's intent.
-    """
-    if not errors:
-        return APIError(400, "invalid request")
-    if errors[0].get("type") == "json_invalid":
-        return APIError(400, "the request body is not valid JSON", code="invalid_json")
-    located = [(_param_path(err.get("loc", ())), err) for err in errors]
-    loc, first = max(located, key=lambda pair: (len(pair[0]), not str(pair[1].get("type", "")).endswith("_type")))
-    param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid request"))
-    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type", "missing"):
-        msg = "the request body must be a JSON object"
-    return APIError(400, f"invalid value for '{param}': {msg}" if param else msg, param=param)
-
-
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
-
-_LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})  # where FastAPI found the value
-
-
-def _param_path(loc: tuple[Any, ...] | list[Any]) -> list[str]:
-    """`('body', 'prompt', 'list[str]', 0, 'function-after[...]')` -> `['prompt', '0']`; `('query', 'recent')`
-    -> `['recent']`."""
-    if loc and loc[0] in _LOCATIONS:
-        loc = loc[1:]
-    return [str(part) for part in loc
-            if isinstance(part, int) or (part != "body" and str(part).isidentifier() and part not in _UNION_TAGS)]
-
-
-def internal_error(request_id: str) -> APIError:
-    """What a client sees of a server bug: no exception text, only the id the log line carries."""
-    return APIError(500, f"internal server error (request id {request_id}); the details are in the server log",
-                    type_="server_error", code="internal_error")
 
 
 class ResponsesInputMessage(BaseModel):

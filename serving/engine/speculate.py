@@ -252,7 +252,7 @@ def could_pay(costs: StepCosts, most: int, base: int, guess_seconds: float) -> b
 
 
 class DraftContext(Protocol):
-    """What the draft model's llama.cpp context offers (serving/llama.py's LlamaContext fits)."""
+    """What the draft model's llama.cpp context offers (serving/engine/llama.py's LlamaContext fits)."""
 
     n_ctx_seq: int
 

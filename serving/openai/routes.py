@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP surface: the FastAPI app, its error handling, API-key middleware, SSE, and
-the /v1 routes. Shapes live in serving/api.py; the Serve deployment that hosts these routes (loading,
+the /v1 routes. Shapes live in serving/openai/requests.py; the Serve deployment that hosts these routes (loading,
 config following, the control routes /health, /slots, /metrics) in serving/app.py.
 
 What a client can get wrong is a 4xx with OpenAI's error JSON; a full server is a 503 with Retry-After;
@@ -24,28 +24,28 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
-from serving.api import (
-    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorBody, NamedToolChoice,
-    ResponsesRequest, TokenizeRequest, internal_error, validation_error,
+from serving.front.errors import APIError, ErrorBody, internal_error, validation_error
+from serving.openai.requests import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, ResponsesRequest, TokenizeRequest,
 )
-from serving.chat_template import ChatTemplateError
-from serving.errors import EngineStoppedError, PromptTooLongError, QueueFullError
-from serving.reasoning import START as THINK_START
-from serving.reasoning import ReasoningFormat
-from serving.request import (Constraint, FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage, paced,
+from serving.engine.chat_template import ChatTemplateError
+from serving.engine.errors import EngineStoppedError, PromptTooLongError, QueueFullError
+from serving.openai.reasoning import START as THINK_START
+from serving.openai.reasoning import ReasoningFormat
+from serving.engine.request import (Constraint, FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage, paced,
                              unpaced)
-from serving.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
-from serving.http import DONE, GuardMiddleware, error_response, mark_submitted, request_id, responses_error
-from serving.structured import GrammarError, constraint_of, tool_call_guide
-from serving.tools import CallMode, messages_for_plain_template
-from serving.traffic import TrafficTag
+from serving.openai.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
+from serving.front.http import DONE, GuardMiddleware, error_response, mark_submitted, request_id, responses_error
+from serving.openai.structured import GrammarError, constraint_of, tool_call_guide
+from serving.openai.tools import CallMode, messages_for_plain_template
+from serving.engine.traffic import TrafficTag
 
 if TYPE_CHECKING:
-    from serving.engine import Engine
+    from serving.engine.core import Engine
 
 log = logging.getLogger("serving")
 T = TypeVar("T")
-# A request body up to this size is templated and tokenised on the event loop (serving/openai.py's _prepare):
+# A request body up to this size is templated and tokenised on the event loop (serving/openai/routes.py's _prepare):
 # ~0.8 ms of tokenising on a slow 2-core machine, a few hundred microseconds on a server's.
 INLINE_BODY_BYTES = 4096
 
@@ -87,7 +87,7 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
                                    headers=dict(exc.headers) if exc.headers else None))
 
 
-# The catch-all and the body limit. The API key and CORS are the ingress's (serving/ingress.py), bound when the
+# The catch-all and the body limit. The API key and CORS are the ingress's (serving/front/ingress.py), bound when the
 # app is built: this app is reached only through it.
 api.add_middleware(GuardMiddleware)
 
@@ -237,7 +237,7 @@ class OpenAIRoutes:
     @contextlib.asynccontextmanager
     async def engine_turn(self) -> AsyncIterator[Engine]:
         """The engine, for checking, preparing and submitting one request. A host that lends its engine to
-        other work (in-place tuning trials, serving/trials.py) makes a request wait its turn here."""
+        other work (in-place tuning trials, serving/replica/trials.py) makes a request wait its turn here."""
         yield self.ready_engine()
 
     @api.post("/v1/chat/completions", responses=ERROR_RESPONSES)
@@ -401,7 +401,7 @@ class OpenAIRoutes:
     def _submit(self, engine: Engine, tokens: list[int], params: SamplingParams, n: int,
                 param: str, streamed: bool, scope: Scope) -> list[RequestHandle]:
         """Hand one prompt's choices to the engine, tagged as client traffic (its shape is recorded); a traced
-        request is stamped (serving/http.py)."""
+        request is stamped (serving/front/http.py)."""
         try:
             handles = engine.submit_choices(tokens, params, n, traffic=TrafficTag(streamed=streamed))
             mark_submitted(scope)

@@ -5,7 +5,7 @@ The body limit, the API key (Bearer or llama-server's X-Api-Key, compared in con
 OpenAI's error JSON, CORS for browsers, the catch-all 500 that names the request id, and the SSE `[DONE]`.
 With $LLAMA_SERVE_TUNE_HTTP_TRACE set to a directory, each request's stamps (reached the app, handed to the
 engine, first body bytes written, done) go there as JSON lines: where a first token's time goes on the server.
-Routes live in serving/openai.py; grammars in serving/structured.py.
+Routes live in serving/openai/routes.py; grammars in serving/openai/structured.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.api import APIError, internal_error
+from serving.front.errors import APIError, internal_error
 
 log = logging.getLogger("serving")
 

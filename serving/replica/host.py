@@ -18,14 +18,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from serving.api import APIError
-from serving.config import EngineConfig
-from serving.control import ConfigFollower
-from serving.engine import Engine
-from serving.ingress import HealthReport
-from serving.metrics import ReplicaMetrics
-from serving.traffic import TrafficSummary
-from serving.trials import Measure, TrialHost, TrialRun
+from serving.front.errors import APIError
+from serving.engine.config import EngineConfig
+from serving.replica.control import ConfigFollower
+from serving.engine.core import Engine
+from serving.front.ingress import HealthReport
+from serving.replica.metrics import ReplicaMetrics
+from serving.engine.traffic import TrafficSummary
+from serving.replica.trials import Measure, TrialHost, TrialRun
 
 log = logging.getLogger("serving")
 

@@ -1,8 +1,8 @@
 """Constrained decoding: OpenAI's `response_format`, llama-server's `json_schema` and forced tool calls become
-llguidance grammars, enforced with a token mask (serving/llama.py's SamplerChain); a client's raw GBNF
+llguidance grammars, enforced with a token mask (serving/engine/llama.py's SamplerChain); a client's raw GBNF
 `grammar` goes to llama.cpp's grammar sampler as llama-server takes it.
 
-Why llguidance: it computes the whole mask in ~10-40 us (serving/guided.py computes it while the model decodes,
+Why llguidance: it computes the whole mask in ~10-40 us (serving/engine/guided.py computes it while the model decodes,
 so sampling pays a bit lookup), where llama.cpp's grammar sampler took ~10-18 us to check one token and 3-5 ms
 for a pass over the vocabulary on every rejected token (the embedded model, this CPU; docs/performance.md,
 "Constrained decoding"). Compiled grammars are cached per text, so one schema sent again is not compiled again.
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from llguidance import LLMatcher
 
-from serving.request import Constraint, ConstraintKind
+from serving.engine.request import Constraint, ConstraintKind
 
 
 class GrammarError(ValueError):
@@ -26,7 +26,7 @@ class GrammarError(ValueError):
 
 
 class ConstraintFields(Protocol):
-    """The fields of a request body that ask for a constraint (serving/api.py's completion requests)."""
+    """The fields of a request body that ask for a constraint (serving/openai/requests.py's completion requests)."""
 
     grammar: str | None
     json_schema: dict[str, Any] | None

@@ -1,5 +1,5 @@
 """Which engine replica a request goes to: Serve's power of two choices, but away from replicas that are
-running an in-place tuning trial (serving/trials.py).
+running an in-place tuning trial (serving/replica/trials.py).
 
 A replica in a trial has its engine to itself: a client request sent there waits until the trial ends.
 With other replicas serving, that wait is needless, so generation requests and other trials go to the
@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-ROUTER = "serving.routing:TrialAwareRouter"  # by import path: every process with a handle loads it
+ROUTER = "serving.replica.routing:TrialAwareRouter"  # by import path: every process with a handle loads it
 IN_TRIAL = "in_trial"
 ROUTING_STATS_PERIOD_S = 0.5
 READ_ONLY_PATHS = ("/slots", "/metrics", "/props", "/health", "/v1/models", "/models", "/traffic")

@@ -8,7 +8,7 @@ deltas, tool call deltas (a call's id and name first, then its arguments as they
 chunk with the finish reason and an empty delta; then, when asked, a usage chunk with no choices; then
 `[DONE]` (the routes add that). The one place they differ: a call cut by max_tokens before its arguments
 closed has had its start streamed, while the whole answer carries only the calls that completed
-(serving/tools.py); `finish_reason: "length"` says so in both.
+(serving/openai/tools.py); `finish_reason: "length"` says so in both.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.reasoning import ThinkSplitter
-from serving.request import FinishReason, GenerationChunk, TokenLogprob, Usage
-from serving.tools import CallMode, CallPiece, ToolCall, ToolCallStream, join_pieces
+from serving.openai.reasoning import ThinkSplitter
+from serving.engine.request import FinishReason, GenerationChunk, TokenLogprob, Usage
+from serving.openai.tools import CallMode, CallPiece, ToolCall, ToolCallStream, join_pieces
 
 Piece = Callable[[int], bytes]  # a token id's bytes (the engine's token_piece)
 

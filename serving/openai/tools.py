@@ -3,7 +3,7 @@
 Formats read: Hermes / Qwen2.5 / Qwen3 (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more)
 and Llama 3.x JSON (`{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several joined by
 `;`). A model whose chat template does not render `tools` itself is told about them in a system message in
-the Hermes format, which is also what a forced call's grammar produces (serving/structured.py).
+the Hermes format, which is also what a forced call's grammar produces (serving/openai/structured.py).
 """
 
 from __future__ import annotations

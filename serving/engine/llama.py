@@ -34,11 +34,11 @@ from llguidance import LLMatcher, LLTokenizer  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from serving.config import CacheType, EngineConfig, FlashAttn, SplitMode, TensorOverride  # noqa: E402
-from serving.errors import EngineError  # noqa: E402
-from serving.guided import Guided, MaskWorker  # noqa: E402
-from serving.prompt_cache import StateBuffer  # noqa: E402
-from serving.request import Constraint, ConstraintKind, SamplingParams, TokenLogprob  # noqa: E402
+from serving.engine.config import CacheType, EngineConfig, FlashAttn, SplitMode, TensorOverride  # noqa: E402
+from serving.engine.errors import EngineError  # noqa: E402
+from serving.engine.guided import Guided, MaskWorker  # noqa: E402
+from serving.engine.prompt_cache import StateBuffer  # noqa: E402
+from serving.engine.request import Constraint, ConstraintKind, SamplingParams, TokenLogprob  # noqa: E402
 
 llama_cpp = ll  # the bindings module, for the few callers outside serving/ that need a constant
 
@@ -138,7 +138,7 @@ class LlamaModel:
     """Weights and vocabulary of one GGUF file, loaded once; thread-safe to tokenise from any thread.
 
     `extra_bufts` is llama_model_params.use_extra_bufts: CPU weight repacking (and the AMX path on Intel);
-    off is llama-server's --no-repack. serving/repack.py decides it, because on some CPUs that path faults.
+    off is llama-server's --no-repack. serving/engine/repack.py decides it, because on some CPUs that path faults.
     """
 
     def __init__(self, path: Path, n_gpu_layers: int, extra_bufts: bool = True,
@@ -163,7 +163,7 @@ class LlamaModel:
         self.path = path
         self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
-            hint = " (numpy was imported before libllama: see serving/llama.py)" if numpy_was_first else ""
+            hint = " (numpy was imported before libllama: see serving/engine/llama.py)" if numpy_was_first else ""
             raise EngineError(f"llama.cpp could not load {path}: is it a GGUF file this llama.cpp reads?{hint}")
         self.vocab = ll.llama_model_get_vocab(self.ptr)
         self.n_vocab: int = ll.llama_vocab_n_tokens(self.vocab)
@@ -262,7 +262,7 @@ class Guides:
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
 
     def matcher(self, grammar: str) -> LLMatcher:
-        """A fresh matcher of `grammar` (an llguidance grammar, serving/structured.py); ValueError if it
+        """A fresh matcher of `grammar` (an llguidance grammar, serving/openai/structured.py); ValueError if it
         does not compile for this vocabulary."""
         with self._lock:
             compiled = self._compiled.get(grammar)
@@ -413,7 +413,7 @@ class SamplerChain:
     that token, sample again from what it allows. That draws from the distribution restricted to the
     constraint (rejection sampling) and costs one check on the tokens the model gets right.
     - A guide (llguidance: response_format, forced tool calls) has the mask of allowed tokens computed ahead,
-      while the model decodes (serving/guided.py): the check is one bit of it, and a rejected token is
+      while the model decodes (serving/engine/guided.py): the check is one bit of it, and a rejected token is
       sampled again from the masked logits (greedy: the best allowed token).
     - A GBNF grammar (a client's raw `grammar`) goes through llama.cpp's grammar sampler, whose pass over
       the vocabulary costs milliseconds; greedy with nothing else in the chain, once the model's choice is
@@ -576,7 +576,7 @@ def _seed(request_seed: int | None, default_seed: int) -> int:
 class LlamaContext:
     """One llama.cpp context: the K/V cache for `n_parallel` sequences and the compute buffers.
 
-    Implements serving.scheduler.ModelContext, the small surface the scheduler steps through.
+    Implements serving.engine.scheduler.ModelContext, the small surface the scheduler steps through.
     """
 
     def __init__(self, model: LlamaModel, config: EngineConfig, n_threads: int) -> None:
@@ -662,7 +662,7 @@ class LlamaContext:
 
     def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview:
         """A slot's K/V cells as llama.cpp's per-sequence state (`llama_state_seq_get_data`), written straight
-        into a buffer of at least its size from `buffer_for(size)` (serving/prompt_cache.py recycles them):
+        into a buffer of at least its size from `buffer_for(size)` (serving/engine/prompt_cache.py recycles them):
         restorable into any slot of this context."""
         size = int(ll.llama_state_seq_get_size(self.ptr, seq_id))
         buffer = buffer_for(size)
@@ -731,7 +731,7 @@ class LlamaContext:
 
 @dataclass(frozen=True)
 class ProbeFailure:
-    """Why probe_decode failed, and the exit code serving/repack.py's child reports it with."""
+    """Why probe_decode failed, and the exit code serving/engine/repack.py's child reports it with."""
 
     message: str
     code: int
@@ -740,7 +740,7 @@ class ProbeFailure:
 def probe_decode(model_path: Path, n_tokens: int, n_threads: int) -> ProbeFailure | None:
     """Load `model_path` on the CPU with the extra buffer types (repack, AMX) on, decode `n_tokens` and then
     one more, and check the logits are finite: the smallest program that reaches those kernels (a fault kills
-    the process; serving/repack.py runs this in a child). None when it worked."""
+    the process; serving/engine/repack.py runs this in a child). None when it worked."""
     params = ll.llama_model_default_params()
     params.n_gpu_layers = 0
     params.use_extra_bufts = True

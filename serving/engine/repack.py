@@ -25,7 +25,7 @@ nonzero exit or a timeout = unsafe (repack off, with a warning saying what happe
 The verdict is cached as JSON under $LLAMA_SERVE_TUNE_CACHE_DIR, else $XDG_CACHE_HOME/llama-serve-tune, else
 ~/.cache/llama-serve-tune, keyed by the CPU (model name and flags from /proc/cpuinfo), the kernel release and
 the libllama/libggml files (path, size, mtime): a new CPU, kernel or llama.cpp build probes again.
-`python -m serving.repack` prints the verdict (`--again` re-probes).
+`python -m serving.engine.repack` prints the verdict (`--again` re-probes).
 
 Only weights on the CPU are affected: layers offloaded to a GPU never use these buffer types. So `auto` with
 every layer on a GPU (n_gpu_layers -1 and a GPU visible to llama.cpp) needs no probe; a GPU build that sees no
@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
-from serving.buffers import llama_buffers
-from serving.config import CpuRepack, EngineConfig, embedded_model_path
+from serving.engine.buffers import llama_buffers
+from serving.engine.config import CpuRepack, EngineConfig, embedded_model_path
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def use_extra_bufts(config: EngineConfig) -> bool:
         return True
     if config.cpu_repack is CpuRepack.off:
         return False
-    from serving.llama import gpu_offload_supported
+    from serving.engine.llama import gpu_offload_supported
 
     if config.n_gpu_layers < 0 and gpu_offload_supported():
         return True  # every layer on a GPU: no CPU weights to re-lay, nothing to probe or warn about
@@ -121,7 +121,7 @@ def probe_verdict(*, again: bool = False, command: Sequence[str] | None = None,
             return cached
     if command is None:
         try:
-            command = [sys.executable, "-m", "serving.repack", "--probe-child", str(embedded_model_path())]
+            command = [sys.executable, "-m", "serving.engine.repack", "--probe-child", str(embedded_model_path())]
         except FileNotFoundError as exc:  # no probe model: stay safe, and try again next time
             return Verdict(False, f"could not run: {exc}", key)
     verdict = _run_probe(command, timeout_s, key)
@@ -221,7 +221,7 @@ def _write_cache(path: Path, verdict: Verdict) -> None:
 def _run_probe(command: Sequence[str], timeout_s: float, key: str) -> Verdict:
     """Run the probe child; its fate is the verdict."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])  # `-m serving.repack` from any working directory
+    root = str(Path(__file__).resolve().parents[2])  # `-m serving.engine.repack` from any working directory
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     try:
         proc = subprocess.run(list(command), capture_output=True, text=True, errors="replace", env=env,
@@ -249,12 +249,12 @@ def _run_probe(command: Sequence[str], timeout_s: float, key: str) -> Verdict:
 def _probe_child(model_path: Path) -> int:
     """Load `model_path` on the CPU with the extra buffer types on and decode; a fault kills this process.
 
-    serving.llama.probe_decode, not the engine: the probe must be the smallest program that reaches the kernels,
+    serving.engine.llama.probe_decode, not the engine: the probe must be the smallest program that reaches the kernels,
     independent of the engine's own settings.
     """
     if os.environ.get(FAULT_ENV) == "segv":
         os.kill(os.getpid(), signal.SIGSEGV)
-    from serving.llama import probe_decode
+    from serving.engine.llama import probe_decode
 
     def report(text: str, code: int) -> int:
         print(_RESULT_TAG + text, flush=True)
@@ -270,7 +270,7 @@ def _probe_child(model_path: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serving.repack", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m serving.engine.repack", description=__doc__.split("\n\n")[0])
     parser.add_argument("--again", action="store_true", help="ignore the cached verdict and probe again")
     parser.add_argument("--probe-child", type=Path, metavar="GGUF", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

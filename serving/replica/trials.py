@@ -23,12 +23,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from serving.api import APIError
-from serving.config import EngineConfig
+from serving.front.errors import APIError
+from serving.engine.config import EngineConfig
 
 if TYPE_CHECKING:  # only annotations here: importing this module loads no libllama (its tests use a fake engine)
-    from serving.engine import Engine
-    from serving.request import RequestHandle, SamplingParams
+    from serving.engine.core import Engine
+    from serving.engine.request import RequestHandle, SamplingParams
 
 log = logging.getLogger("serving")
 
@@ -153,7 +153,7 @@ class TrialHost:
     # -- trials --------------------------------------------------------------------------------------
     @property
     def busy_with_trials(self) -> bool:
-        """A trial runs here or waits for its turn: new clients would wait (serving/routing.py sends them
+        """A trial runs here or waits for its turn: new clients would wait (serving/replica/routing.py sends them
         elsewhere when it can)."""
         return self._trials > 0
 

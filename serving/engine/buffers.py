@@ -3,7 +3,7 @@ the weights (`model`, per buffer type: CPU_Mapped, CPU_REPACK, AMX, CUDA0, ...),
 compute buffers (`compute`) and the logits (`output`).
 
 The memory model (tuning/memory.py) predicts these terms from the GGUF header; this is what they came to, so a
-placement whose VRAM differs from its prediction says which term was off. It reads Python logging (serving/llama.py
+placement whose VRAM differs from its prediction says which term was off. It reads Python logging (serving/engine/llama.py
 routes llama.cpp's log to the "llama.cpp" logger), so importing it loads no libllama.
 """
 
@@ -14,7 +14,7 @@ import logging
 import re
 from collections.abc import Iterator
 
-LLAMA_LOGGER = "llama.cpp"  # serving/llama.py's logger for llama.cpp's own log
+LLAMA_LOGGER = "llama.cpp"  # serving/engine/llama.py's logger for llama.cpp's own log
 
 
 class BufferLog(logging.Handler):

@@ -9,7 +9,7 @@ One request's trouble stays its own: a detokeniser that raises fails that reques
 whose event loop has gone (a client that disconnected) gets its request cancelled, nothing more.
 
 Every request's end passes here, whatever ended it (the scheduler, a stop string, an abort), which is why a
-client request's shape (serving/traffic.py) is completed here: once per choice's end, never per token.
+client request's shape (serving/engine/traffic.py) is completed here: once per choice's end, never per token.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from serving.detok import IncrementalDetokenizer
-from serving.request import FinishReason, GenerationChunk, Request, RequestHandle
-from serving.scheduler import RequestOutput
-from serving.traffic import RequestShape, ShapeInProgress
+from serving.engine.detok import IncrementalDetokenizer
+from serving.engine.request import FinishReason, GenerationChunk, Request, RequestHandle
+from serving.engine.scheduler import RequestOutput
+from serving.engine.traffic import RequestShape, ShapeInProgress
 
 log = logging.getLogger(__name__)
 

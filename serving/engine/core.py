@@ -2,11 +2,11 @@
 
 This is the only module that crosses threads. Callers (HTTP routes, benchmarks, the tuner) submit from any
 thread; requests and commands reach the step thread through its queues, and chunks come back through each
-request's handle. The step thread alone owns the llama.cpp objects, the scheduler (serving/scheduler.py)
-and the output processor (serving/output.py), and it alone frees them, so no caller can free memory that
+request's handle. The step thread alone owns the llama.cpp objects, the scheduler (serving/engine/scheduler.py)
+and the output processor (serving/engine/output.py), and it alone frees them, so no caller can free memory that
 llama.cpp is still using.
 
-Each engine records the shapes of the client requests it serves (serving/traffic.py): the step thread
+Each engine records the shapes of the client requests it serves (serving/engine/traffic.py): the step thread
 completes a shape as a request's last choice ends and adds it to the TrafficRecord; /traffic and the metrics
 read the record from the event loop. One lock (`_traffic_lock`) guards the record: the step thread holds it
 for an O(1) add per request, a reader for one copy of the record (under a millisecond at 4096 shapes), so
@@ -30,20 +30,20 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-# first: loads ray, then libllama (see serving/llama.py)
-from serving.llama import LlamaContext, LlamaModel, Placement, check_draft_vocabulary
+# first: loads ray, then libllama (see serving/engine/llama.py)
+from serving.engine.llama import LlamaContext, LlamaModel, Placement, check_draft_vocabulary
 
 import numpy as np  # noqa: E402
 
-from serving.chat_template import ChatTemplate  # noqa: E402
-from serving.config import EngineConfig, default_threads  # noqa: E402
-from serving.errors import EngineError, EngineStoppedError, PromptTooLongError, QueueFullError  # noqa: E402
-from serving.output import OutputProcessor  # noqa: E402
-from serving.prompt_cache import PromptCache  # noqa: E402
-from serving.repack import use_extra_bufts  # noqa: E402
-from serving.request import Constraint, Request, RequestHandle, SamplingParams  # noqa: E402
-from serving.scheduler import RequestOutput, Scheduler  # noqa: E402
-from serving.traffic import (DEFAULT_LIMIT, RequestShape, ShapeInProgress, TrafficRecord,  # noqa: E402
+from serving.engine.chat_template import ChatTemplate  # noqa: E402
+from serving.engine.config import EngineConfig, default_threads  # noqa: E402
+from serving.engine.errors import EngineError, EngineStoppedError, PromptTooLongError, QueueFullError  # noqa: E402
+from serving.engine.output import OutputProcessor  # noqa: E402
+from serving.engine.prompt_cache import PromptCache  # noqa: E402
+from serving.engine.repack import use_extra_bufts  # noqa: E402
+from serving.engine.request import Constraint, Request, RequestHandle, SamplingParams  # noqa: E402
+from serving.engine.scheduler import RequestOutput, Scheduler  # noqa: E402
+from serving.engine.traffic import (DEFAULT_LIMIT, RequestShape, ShapeInProgress, TrafficRecord,  # noqa: E402
                              TrafficSummary, TrafficTag)
 
 log = logging.getLogger(__name__)
@@ -408,7 +408,7 @@ class Engine:
         deliveries, ends = self._outputs.process(outputs)
         for request_id, reason in ends:
             self._scheduler.finish(request_id, reason)
-        self._outputs.deliver(deliveries)  # after the slots are released: see serving/output.py
+        self._outputs.deliver(deliveries)  # after the slots are released: see serving/engine/output.py
 
     def _take_inbox(self) -> None:
         while True:
