@@ -18,14 +18,14 @@ report means the same thing wherever it was measured (definitions: measure/metri
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib import resources
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
+from measure.design import round_order
 from measure.metrics import RoundFigures, StreamRecord, stream_figures
 
 PLAIN_PROMPTS: tuple[str, ...] = (
@@ -197,22 +197,6 @@ def capacity_levels(slots: int) -> list[int]:
 
 
 Progress = Callable[[str, int, int, RoundFigures], None]  # target, level, repeat (1-based), the round
-
-
-T = TypeVar("T")
-
-
-def round_order(targets: Sequence[T], index: int) -> list[T]:
-    """The targets' order in round `index`: every ordering in turn (for two, A B then B A), so that over a
-    run each target follows each other one as often. Reversing alone keeps a middle target beside the same
-    neighbours; on a CPU, where the last target's threads may still hold the cores, the target that always
-    follows the in-process engine paid for it (docs/performance.md, "what follows the in-process engine")."""
-    rest, order = list(targets), []
-    index %= math.factorial(len(rest))
-    for left in range(len(rest), 0, -1):  # the index-th of itertools.permutations' order, without listing them
-        pick, index = divmod(index, math.factorial(left - 1))
-        order.append(rest.pop(pick))
-    return order
 
 
 class Runner:

@@ -33,7 +33,7 @@ the app's own work, the engine's TTFT, the way out to the first write and to the
 process reads one monotonic clock.
 
 Every TTFT gap against the in-process engine is a paired median with its quartiles and a 95% confidence interval
-of the median (measure/metrics.py `median_interval`): a bar in milliseconds is met where the interval's top is
+of the median (measure/design.py `median_interval`): a bar in milliseconds is met where the interval's top is
 under it, and only missed by the noise where the interval straddles it.
 
 In process, a stream's output is its text, as our server's stream shows it: a token that renders as nothing
@@ -66,12 +66,11 @@ from measure import serve_app  # noqa: E402
 from measure.clients import ProcessClients  # noqa: E402
 from measure.cluster import ClusterApp, LocalCluster, direct_ingress_settings, direct_url  # noqa: E402
 from measure.device import Gpu  # noqa: E402
-from measure.metrics import (  # noqa: E402
-    PairedGap, RoundFigures, StreamRecord, paired_gap, paired_ratios, ratios, stream_figures,
-)
+from measure.design import PairedGap, paired_gap, paired_ratios, ratios, round_order  # noqa: E402
+from measure.metrics import RoundFigures, StreamRecord, stream_figures  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import HttpTarget, free_loopback_port, loaded_engine  # noqa: E402
-from measure.workload import Prompt, PromptSet, Runner, Target, Workload, round_order  # noqa: E402
+from measure.workload import Prompt, PromptSet, Runner, Target, Workload  # noqa: E402
 from serving.engine.config import load_engine_config  # noqa: E402
 from serving.front.http import TRACE_ENV  # noqa: E402
 

@@ -27,7 +27,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
-from measure.metrics import RoundFigures, ratios  # noqa: E402
+from measure.design import ratios  # noqa: E402
+from measure.metrics import RoundFigures  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.sse import StreamError  # noqa: E402
 from measure.targets import HttpTarget, llama_server, loaded_engine, repack_server_args  # noqa: E402

@@ -37,6 +37,7 @@ if str(REPO_ROOT) not in sys.path:
 from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
 from _loopback_app import parse_overrides  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
+from measure.design import rotated  # noqa: E402
 from measure.targets import EngineTarget  # noqa: E402
 from measure.workload import PromptSet, Runner, Workload  # noqa: E402
 from serving.engine.config import EngineConfig, SpecMode  # noqa: E402
@@ -52,8 +53,7 @@ def round_of(configs: dict[str, EngineConfig], prompt_set: PromptSet, args: argp
     workload = Workload(gen_tokens=args.gen_tokens, levels=(1, args.concurrency), prompt_set=prompt_set,
                         honour_eos=True)  # an EOS-less greedy loop would flatter prompt lookup
     names = list(configs)
-    order = names[shift % len(names):] + names[:shift % len(names)]
-    return {name: asyncio.run(_measure(configs[name], workload, number)) for name in order}
+    return {name: asyncio.run(_measure(configs[name], workload, number)) for name in rotated(names, shift)}
 
 
 async def _measure(config: EngineConfig, workload: Workload, number: int) -> dict[str, Any]:

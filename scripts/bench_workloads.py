@@ -39,6 +39,7 @@ if str(REPO_ROOT) not in sys.path:
 
 # Only modules that load neither libllama nor Ray up here: the tables are unit-tested without them.
 # serving.engine.llama (the library load order) is imported first inside `measure_all`, where the engine is built.
+from measure.design import paired_ratio, rotated  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.replay import (  # noqa: E402
     DEFAULT_CONCURRENCY,
@@ -280,15 +281,6 @@ class Run:
     figures: ReplayFigures
 
 
-def rotated(names: Sequence[str], by: int) -> list[str]:
-    """`names` starting at index `by` (mod its length): each config goes first in turn, so none is always the
-    one measured right after a switch of workload."""
-    if not names:
-        return []
-    start = by % len(names)
-    return [*names[start:], *names[:start]]
-
-
 def schedule(configs: Sequence[str], workloads: Sequence[str], rounds: int) -> Iterator[tuple[int, str, str]]:
     """(round, workload, config) in the order they run: per round, per workload, every config, rotating."""
     for r in range(rounds):
@@ -382,13 +374,6 @@ def median(values: Sequence[float]) -> float:
 def by_round(runs: Sequence[Run], workload: str, config: str) -> dict[int, ReplayFigures]:
     """The measured rounds of one config on one workload (warm-ups, round -1, left out)."""
     return {r.round: r.figures for r in runs if r.workload == workload and r.config == config and r.round >= 0}
-
-
-def paired_ratio(ours: Mapping[int, float], reference: Mapping[int, float]) -> float | None:
-    """The median over rounds of ours / reference in the same round: drift that moves both cancels. Rounds
-    where the reference got nothing done are left out; None when no round is left."""
-    each = [ours[r] / reference[r] for r in sorted(ours.keys() & reference.keys()) if reference[r] > 0]
-    return statistics.median(each) if each else None
 
 
 def goodputs(runs: Sequence[Run], workload: str, config: str) -> dict[int, float]:

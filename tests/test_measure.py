@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from measure.metrics import RoundFigures, StreamFigures, StreamRecord, percentile, ratios, stream_figures
+from measure.design import ratios, round_order
+from measure.metrics import RoundFigures, StreamFigures, StreamRecord, percentile, stream_figures
 from measure.sse import StreamError, interpret_chunk, iter_sse_data
 from measure.targets import check_loopback_url, check_server_args, llama_server_flags
-from measure.workload import COPY_TASKS, PLAIN_PROMPTS, Prompts, PromptSet, Workload, round_order
+from measure.workload import COPY_TASKS, PLAIN_PROMPTS, Prompts, PromptSet, Workload
 from serving.engine.config import EngineConfig, load_engine_config
 
 pytestmark = pytest.mark.unit
@@ -240,7 +241,7 @@ def test_ratios() -> None:
 
 
 def test_paired_ratios_take_each_round_against_its_neighbour() -> None:
-    from measure.metrics import paired_ratios
+    from measure.design import paired_ratios
 
     def round_at(tok_s: float) -> RoundFigures:
         return RoundFigures.of([StreamFigures(0.05, tok_s, 100, None, None, ())], 100 / tok_s, 100)
@@ -256,7 +257,7 @@ def test_paired_ratios_take_each_round_against_its_neighbour() -> None:
 def test_the_paired_ttft_gap_is_each_round_minus_its_neighbour_with_quartiles() -> None:
     """A latency bar in milliseconds: round-by-round differences, so a slow stretch of the machine that moves
     both targets cancels (the medians here differ by 20 ms; every pair by 5-15)."""
-    from measure.metrics import paired_gap
+    from measure.design import paired_gap
 
     ours, reference = [105.0, 210.0, 315.0, 150.0], [100.0, 200.0, 300.0, 140.0]
     gap = paired_gap(ours, reference)
@@ -273,7 +274,7 @@ def test_the_medians_confidence_interval_is_the_binomial_order_statistics(n: int
                                                                           ranks: tuple[int, int] | None) -> None:
     """The distribution-free 95% interval of a median (the standard table's ranks: n=100 -> 40th and 61st);
     too few rounds for one give None, and the gap then prints its quartiles alone."""
-    from measure.metrics import median_interval, paired_gap
+    from measure.design import median_interval, paired_gap
 
     values = [float(i) for i in range(1, n + 1)]
     assert median_interval(values) == ranks
@@ -286,7 +287,7 @@ def test_the_medians_interval_holds_the_median_about_95_times_in_100() -> None:
     """Over skewed noise (exponential, the shape of a TTFT's tail), seeded: the interval's coverage."""
     import random
 
-    from measure.metrics import median_interval
+    from measure.design import median_interval
 
     rng, true_median, hits = random.Random(7), math.log(2), 0
     for _ in range(2000):
