@@ -76,7 +76,7 @@ class Prompt:
 
 def source_text() -> str:
     """The copy set's material: a module of this project, shipped with it (the same bytes everywhere)."""
-    return resources.files("serving").joinpath("detok.py").read_text(encoding="utf-8")
+    return resources.files("serving.engine").joinpath("detok.py").read_text(encoding="utf-8")
 
 
 class Prompts:
