@@ -53,3 +53,28 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     """A benchmark's results (with their provenance) as JSON at `path`, its folder made if need be."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def machine_info() -> dict[str, Any]:
+    """The soak's and the fuzz's machine fields (their summaries' form, older than `provenance`'s)."""
+    model = platform.processor()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+            if line.startswith("Model name"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def git_commit() -> str:
+    """The soak's and the fuzz's commit field: the short hash, flagged where serving/ or tuning/ (what they test)
+    has uncommitted changes."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "serving", "tuning"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + (" (serving/ or tuning/ has uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

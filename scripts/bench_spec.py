@@ -35,7 +35,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
-from _loopback_app import parse_overrides  # noqa: E402
+from measure.loopback import parse_overrides  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.design import rotated  # noqa: E402
 from measure.targets import EngineTarget  # noqa: E402

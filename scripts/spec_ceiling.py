@@ -34,7 +34,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from serving.engine.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
-from _loopback_app import parse_overrides  # noqa: E402
+from measure.loopback import parse_overrides  # noqa: E402
 from bench_verify import timed_decode  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import prompt_tokens  # noqa: E402

@@ -1,30 +1,14 @@
-"""The soak and fuzz scripts' pure logic (SSE parsing, judging outcomes, /health, HAR analysis); no server."""
+"""The soak and fuzz scripts' pure logic (measure/soak.py, measure/api_fuzz.py: SSE parsing, judging outcomes,
+/health, HAR analysis); no server."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from measure import api_fuzz as fuzz
+from measure import loopback, soak
+
 pytestmark = pytest.mark.unit
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(f"_test_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load("soak")
-fuzz = _load("fuzz_api")
-loopback = _load("_loopback_app")
 
 
 def outcome(**kw):

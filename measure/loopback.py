@@ -3,7 +3,8 @@
 The app is built exactly as `serve run serving.app:main KEY=VALUE ...` builds it, but in this process: a
 private local Ray cluster (its own temp dir; RAY_ADDRESS is ignored, so no running cluster is touched), the
 HTTP proxy on 127.0.0.1 and a free port. Running the driver here lets the soak find the replica's worker
-process (to SIGKILL it) and publish live configs on the app's ConfigChannel the way the tuner does.
+process (to SIGKILL it) and publish live configs on the app's ConfigChannel the way the tuner does (the
+publishing is the tuner's: scripts/soak.py calls it on `APP_NAME`).
 """
 
 from __future__ import annotations
@@ -151,10 +152,10 @@ class LoopbackApp:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    # -- the replica process and live configs --------------------------------------------------------
+    # -- the replica process -------------------------------------------------------------------------
     def replica_pids(self) -> list[int]:
         """Worker processes of this run's LlamaServer replicas (their titles are `ray::ServeReplica:<app>:...`)."""
-        from serving.app import DEPLOYMENT_NAME
+        from serving.replica.control import DEPLOYMENT_NAME
 
         tag = f"ServeReplica:{APP_NAME}:{DEPLOYMENT_NAME}"
         return sorted(pid for pid in _descendants(os.getpid()) if tag in _cmdline(pid))
@@ -166,10 +167,3 @@ class LoopbackApp:
             raise RuntimeError("no LlamaServer replica process found among this run's Ray workers")
         os.kill(pids[0], signal.SIGKILL)
         return pids[0]
-
-    def publish_config(self, engine: dict[str, Any], timeout_s: float = 180.0) -> Any:
-        """Publish an engine config live (as the tuner's write-back does) and wait for every replica's ack."""
-        from serving.engine.config import EngineConfig
-        from tuning.writeback import apply_to_serve
-
-        return apply_to_serve(EngineConfig(**engine), app_name=APP_NAME, timeout_s=timeout_s)
