@@ -34,6 +34,7 @@ def engines_of(application):  # the engine replicas' deployment: the ingress's f
 # -- placement (no Ray needed: building the app only describes it) -----------------------------------
 @pytest.mark.engine
 def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving.replica.control import DEPLOYMENT_NAME
     from serving import app as serving_app
     from serving.replica.control import CHANNEL_NAME
     from serving.front.ingress import INGRESS_NAME
@@ -45,7 +46,7 @@ def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatc
     assert ingress.name == INGRESS_NAME and ingress.ray_actor_options["num_cpus"] == 0
     assert ingress.max_ongoing_requests == 2 * (256 + 17 + 16) + 16
     d = deployment_of(ingress.init_args[0])
-    assert d.name == serving_app.DEPLOYMENT_NAME
+    assert d.name == DEPLOYMENT_NAME
     assert d.num_replicas == 2
     assert d.ray_actor_options["num_gpus"] == 1 and d.ray_actor_options["num_cpus"] == 1.0
     # above anything the engine can hold (the most slots any config may have + its queue) + headroom
@@ -173,6 +174,7 @@ def test_a_load_that_hangs_makes_the_replica_unhealthy_after_load_timeout_s(
     """Serve restarts a replica only when its health check fails; a load that never returns (none finished in
     120 s once in a full run here, no error logged) must fail it, or the replica stays loading for good."""
     from serving.replica import host as engine_host
+    from serving.replica.server import health_report
 
     release = threading.Event()
 
@@ -189,7 +191,7 @@ def test_a_load_that_hangs_makes_the_replica_unhealthy_after_load_timeout_s(
         await host.take(EngineConfig())
         early = host.failure()
         await asyncio.sleep(0.5)
-        return early, host.failure(), host.health_report().status
+        return early, host.failure(), health_report(host.state()).status
 
     try:
         early, late, status = asyncio.run(scenario())
@@ -316,12 +318,12 @@ def wait_for_replicas(base: str, timeout: float, exclude: frozenset[str] = froze
 
 
 def replica_actors() -> list[dict]:
+    from serving.replica.control import DEPLOYMENT_NAME
     import ray
 
-    from serving import app as serving_app
 
     return [a for a in ray.util.list_named_actors(all_namespaces=True)
-            if APP in a["name"] and serving_app.DEPLOYMENT_NAME in a["name"]]
+            if APP in a["name"] and DEPLOYMENT_NAME in a["name"]]
 
 
 @pytest.fixture(scope="module")
@@ -379,9 +381,9 @@ def test_two_replicas_share_the_load(two: str) -> None:
 @pytest.mark.timeout(300)
 def test_traffic_is_merged_over_every_replica(two: str) -> None:
     """/traffic, whichever replica answers it, counts every replica's requests: it asks them all."""
+    from serving.replica.control import DEPLOYMENT_NAME
     from ray import serve
 
-    from serving import app as serving_app
 
     def traffic() -> dict[str, Any]:
         resp = httpx.get(f"{two}/traffic", timeout=60)
@@ -404,7 +406,7 @@ def test_traffic_is_merged_over_every_replica(two: str) -> None:
     arrivals = [s["arrival"] for s in after["recent"]["requests"]]
     assert arrivals == sorted(arrivals)  # both replicas' arrivals, interleaved in time order
     # the merged answer is the sum of what each replica holds
-    handle = serve.get_deployment_handle(serving_app.DEPLOYMENT_NAME, app_name=APP)
+    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP)
     each = handle.broadcast("traffic_summary").results(timeout_s=30)
     assert sorted(r for s in each for r in s.replicas) == after["replicas"]
     assert sum(s.totals.requests for s in each) == traffic()["totals"]["requests"]
@@ -415,9 +417,9 @@ def test_traffic_is_merged_over_every_replica(two: str) -> None:
 def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_path: Path) -> None:
     """Serve routes around a replica running an in-place trial (serving/replica/routing.py): every client request
     sent during the trial is served by the other replica, none waits for the trial."""
+    from serving.replica.control import DEPLOYMENT_NAME
     from ray import serve
 
-    from serving import app as serving_app
     from serving.replica.routing import ROUTING_STATS_PERIOD_S
 
     started, gate = tmp_path / "trial-started", tmp_path / "end-the-trial"
@@ -430,7 +432,7 @@ def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_pat
 
     before = slots_by_replica(two)
     assert len(before) == 2
-    handle = serve.get_deployment_handle(serving_app.DEPLOYMENT_NAME, app_name=APP)
+    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP)
     trial = handle.tune_trial.remote("routing", 1, next(iter(before.values()))["config"], hold)
     try:
         deadline = time.monotonic() + 60

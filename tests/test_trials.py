@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
+from serving.engine.errors import EngineUnavailableError
 from serving.front.errors import APIError
+from serving.openai.errors import unavailable
 from serving.engine.config import EngineConfig
 from serving.replica.trials import TrialHost
 
@@ -116,7 +118,7 @@ def test_a_trial_waits_for_admitted_requests_and_for_clients_on_their_way() -> N
         trial = asyncio.create_task(host.run_trial("s", 1, TRIAL, lambda e: order.append("measured") or {}))
         await asyncio.sleep(0.15)
         assert order == [], "the trial waits for the client that is on its way"
-        assert host.busy_with_trials, "a waiting trial already steers new clients elsewhere (serving/replica/routing.py)"
+        assert host.busy_with_trials, "a waiting trial already steers new clients elsewhere (replica/routing.py)"
         leave.set()
         await c
         await asyncio.sleep(0.15)
@@ -152,12 +154,12 @@ def test_clients_beyond_the_waiting_bound_get_a_503_with_retry_after() -> None:
         await asyncio.sleep(0.05)
         waiting = asyncio.create_task(first_client())
         await asyncio.sleep(0.05)
-        with pytest.raises(APIError) as refused:
+        with pytest.raises(EngineUnavailableError) as refused:
             async with host.client_turn():
                 pass
         lock_holder.set()
         await asyncio.gather(trial, waiting)
-        return refused.value
+        return unavailable(refused.value)
 
     err = asyncio.run(scenario())
     assert err.status == 503 and err.headers == {"Retry-After": "5"} and err.code == "tuning_in_progress"

@@ -19,7 +19,6 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serving.engine.request import Constraint, SamplingParams
-from serving.front.errors import APIError
 from serving.openai.reasoning import ReasoningFormat
 
 MAX_STOP_STRINGS = 16

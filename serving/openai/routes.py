@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP surface: the FastAPI app, its error handling, API-key middleware, SSE, and
-the /v1 routes. Shapes live in serving/openai/requests.py; the Serve deployment that hosts these routes (loading,
-config following, the control routes /health, /slots, /metrics) in serving/app.py.
+"""The OpenAI-compatible HTTP surface: the app factory (build_api: error handling, the guard middleware), SSE,
+and the /v1 routes (OpenAIRoutes, bound to a host). Shapes live in serving/openai/requests.py; the Serve
+deployment that composes these routes with its control routes (/health, /slots, /metrics) in
+serving/replica/server.py.
 
 What a client can get wrong is a 4xx with OpenAI's error JSON; a full server is a 503 with Retry-After;
 anything else is a 500 whose body holds only a request id, the one the log line carries (and Serve's
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,11 +30,12 @@ from serving.openai.requests import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, ResponsesRequest, TokenizeRequest,
 )
 from serving.engine.chat_template import ChatTemplateError
-from serving.engine.errors import EngineStoppedError, PromptTooLongError, QueueFullError
+from serving.engine.errors import EngineStoppedError, EngineUnavailableError, PromptTooLongError, QueueFullError
+from serving.openai.errors import engine_unavailable, prompt_too_long, queue_full, unavailable
 from serving.openai.reasoning import START as THINK_START
 from serving.openai.reasoning import ReasoningFormat
-from serving.engine.request import (Constraint, FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage, paced,
-                             unpaced)
+from serving.engine.request import (Constraint, FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage,
+                                    paced, unpaced)
 from serving.openai.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
 from serving.front.http import DONE, GuardMiddleware, error_response, mark_submitted, request_id, responses_error
 from serving.openai.structured import GrammarError, constraint_of, tool_call_guide
@@ -64,32 +66,44 @@ class _App(FastAPI):
         return self.openapi_schema
 
 
-api = _App(title="llama-serve-tune", description="OpenAI-compatible llama.cpp serving")
-
-
-# -- error handling ----------------------------------------------------------------------------------
-@api.exception_handler(APIError)
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc)
-
-
-@api.exception_handler(RequestValidationError)
-async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(validation_error(list(exc.errors())))
-
-
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def _invalid(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(validation_error(list(exc.errors())))
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
     return error_response(APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code),
                                    headers=dict(exc.headers) if exc.headers else None))
 
 
-# The catch-all and the body limit. The API key and CORS are the ingress's (serving/front/ingress.py), bound when the
-# app is built: this app is reached only through it.
-api.add_middleware(GuardMiddleware)
+async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, EngineUnavailableError)
+    return error_response(unavailable(exc))
+
+
+def build_api(*routers: APIRouter) -> FastAPI:
+    """The app factory: one FastAPI app per replica with OpenAI's error JSON for every error (the client's
+    400s, FastAPI's 404/405, the host's 503s) and the catch-all and body limit (GuardMiddleware) around
+    `routers`. The API key and CORS are the ingress's (serving/front/ingress.py), bound when the app is built:
+    this app is reached only through it, or through the same rules with `ingress=engine`."""
+    app = _App(title="llama-serve-tune", description="OpenAI-compatible llama.cpp serving")
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(EngineUnavailableError, _unavailable)
+    app.add_middleware(GuardMiddleware)
+    for router in routers:
+        app.include_router(router)
+    return app
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -217,33 +231,56 @@ async def sse_events(job: Job, include_usage: bool, metrics: RequestRecorder, ri
 
 
 # -- the /v1 routes ----------------------------------------------------------------------------------
-class OpenAIRoutes:
-    """The /v1 routes, as methods of the Serve deployment that inherits them (serving/app.py's LlamaServer).
-
-    The host provides `ready_engine()` (the engine, or an APIError 503 while there is none) and `metrics`
-    (a RequestRecorder), and may pace streams (`stream_spacing`). The routes use the engine's public API only.
-    """
+class RouteHost(Protocol):
+    """What the routes need of the replica that serves them (serving/replica/server.py's LlamaServer)."""
 
     metrics: RequestRecorder
 
     def ready_engine(self) -> Engine:
-        raise NotImplementedError
+        """The engine, or EngineUnavailableError (a 503) while there is none."""
+        ...
+
+    def engine_turn(self) -> contextlib.AbstractAsyncContextManager[Engine]:
+        """The engine, for checking, preparing and submitting one request. A host that lends its engine to
+        other work (in-place tuning trials, serving/replica/trials.py) makes a request wait its turn here."""
+        ...
 
     def stream_spacing(self) -> float:
         """Seconds between a stream's events after its first token (what comes between travels in one
         event); 0: an event per token. A stream whose client asked for logprobs always gets one per token."""
-        return 0.0
+        ...
 
-    @contextlib.asynccontextmanager
-    async def engine_turn(self) -> AsyncIterator[Engine]:
-        """The engine, for checking, preparing and submitting one request. A host that lends its engine to
-        other work (in-place tuning trials, serving/replica/trials.py) makes a request wait its turn here."""
-        yield self.ready_engine()
 
-    @api.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-    @api.post("/chat/completions", responses=ERROR_RESPONSES, include_in_schema=False)  # llama-server's alias
+class OpenAIRoutes:
+    """The OpenAI routes over one host's engine: /v1/chat/completions, /v1/completions, /v1/responses,
+    /v1/models and llama-server's /tokenize and /detokenize (`router()` binds them). They use the engine's
+    public API only."""
+
+    def __init__(self, host: RouteHost) -> None:
+        self._host = host
+
+    @property
+    def metrics(self) -> RequestRecorder:
+        return self._host.metrics
+
+    def router(self) -> APIRouter:
+        """These routes, bound to this host, for build_api."""
+        router = APIRouter()
+        post, get = ["POST"], ["GET"]
+        for path, endpoint, methods, public in (
+                ("/v1/chat/completions", self.chat_completions, post, True),
+                ("/chat/completions", self.chat_completions, post, False),  # llama-server's alias
+                ("/v1/completions", self.completions, post, True),
+                ("/v1/responses", self.responses, post, True),
+                ("/tokenize", self.tokenize, post, True),
+                ("/detokenize", self.detokenize, post, True),
+                ("/v1/models", self.models, get, True),
+                ("/models", self.models, get, False)):  # llama-server's alias
+            router.add_api_route(path, endpoint, methods=methods, responses=ERROR_RESPONSES, include_in_schema=public)
+        return router
+
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-        async with self.engine_turn() as engine:
+        async with self._host.engine_turn() as engine:
             job = await self._chat_job(engine, body, request)
         return await self._answer(job, body, request)
 
@@ -264,9 +301,8 @@ class OpenAIRoutes:
         response = ChatResponse(config.served_name, engine.token_piece, body.logprobs, engine.fingerprint)
         return Job(handles, states, response)
 
-    @api.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        async with self.engine_turn() as engine:
+        async with self._host.engine_turn() as engine:
             job = await self._completion_job(engine, body, request)
         return await self._answer(job, body, request)
 
@@ -293,10 +329,9 @@ class OpenAIRoutes:
                                       engine.fingerprint)
         return Job(handles, [ChoiceState(i) for i in range(len(handles))], response, len(prompts), echoes)
 
-    @api.post("/v1/responses", responses=ERROR_RESPONSES)
     async def responses(self, body: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses API for text in, text out (streamed as its typed events, or whole)."""
-        async with self.engine_turn() as engine:
+        async with self._host.engine_turn() as engine:
             _check_request(engine, body)
             messages = body.messages()
             _, tokens = await _prepare(request, lambda: _rendered(engine, messages, None, {}, request))
@@ -320,7 +355,7 @@ class OpenAIRoutes:
             try:
                 for event in answer.opening():
                     yield typed(event)
-                async for chunk in paced(handle, self.stream_spacing):
+                async for chunk in paced(handle, self._host.stream_spacing):
                     if chunk.finish_reason == FinishReason.error:
                         self.metrics.record_request(chunk.usage, FinishReason.error)
                         yield typed(answer.event("error", **responses_error(_generation_failed(chunk))))
@@ -336,11 +371,10 @@ class OpenAIRoutes:
                 log.exception("streaming failed (request id %s)", rid)
                 yield typed(answer.event("error", **responses_error(internal_error(rid))))
 
-    @api.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """llama-server's /tokenize: token ids, or {id, piece} with `with_pieces` (a piece that is not whole
         UTF-8 comes as its bytes)."""
-        engine = self.ready_engine()
+        engine = self._host.ready_engine()
         tokens = await _off_loop(lambda: engine.tokenize(body.content, body.add_special, body.parse_special))
         if not body.with_pieces:
             return {"tokens": tokens}
@@ -354,18 +388,15 @@ class OpenAIRoutes:
             out.append({"id": token, "piece": piece})
         return {"tokens": out}
 
-    @api.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        engine = self.ready_engine()
+        engine = self._host.ready_engine()
         try:
             return {"content": engine.detokenize(body.tokens)}
         except ValueError as exc:
             raise APIError(400, str(exc), param="tokens") from exc
-
-    @api.get("/v1/models", responses=ERROR_RESPONSES)
-    @api.get("/models", responses=ERROR_RESPONSES, include_in_schema=False)  # llama-server's alias
+  # llama-server's alias
     async def models(self) -> dict[str, Any]:
-        engine = self.ready_engine()
+        engine = self._host.ready_engine()
         return {"object": "list", "data": [{
             "id": engine.config.served_name, "object": "model", "created": 0, "owned_by": "llama-serve-tune",
             "meta": {"n_ctx_slot": engine.n_ctx_slot, "n_parallel": engine.config.n_parallel,
@@ -393,7 +424,7 @@ class OpenAIRoutes:
                     self.metrics.record_request(chunk.usage, chunk.finish_reason)
 
     async def _stream(self, job: Job, include_usage: bool, rid: str) -> AsyncIterator[str]:
-        spacing = None if job.response.want_logprobs else self.stream_spacing  # logprobs: per token
+        spacing = None if job.response.want_logprobs else self._host.stream_spacing  # logprobs: per token
         async with _cancel_unless_finished(job.handles, self.metrics):
             async for event in sse_events(job, include_usage, self.metrics, rid, spacing):
                 yield event
@@ -407,13 +438,10 @@ class OpenAIRoutes:
             mark_submitted(scope)
             return handles
         except PromptTooLongError as exc:
-            raise APIError(400, str(exc), param=param, code="context_length_exceeded",  # llama-server's numbers:
-                           details={"n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx_slot}) from exc
+            raise prompt_too_long(exc, param) from exc
         except QueueFullError as exc:
             self.metrics.record_rejected("queue_full")
-            raise APIError(503, f"the server is at capacity ({exc.queued} requests waiting); retry in "
-                                f"{exc.retry_after_s} s", type_="server_error", code="server_overloaded",
-                           headers={"Retry-After": str(exc.retry_after_s)}) from exc
+            raise queue_full(exc) from exc
         except EngineStoppedError as exc:
             self.metrics.record_rejected("engine_stopped")
             raise engine_unavailable() from exc
@@ -496,11 +524,6 @@ def _params(body: Any, engine: Engine, constraint: Constraint | None) -> Samplin
         return body.sampling_params(engine.n_ctx_slot, constraint)
     except ValueError as exc:
         raise APIError(400, str(exc), param="logit_bias") from exc
-
-
-def engine_unavailable() -> APIError:
-    return APIError(503, "the engine is restarting or reloading its model; retry shortly", type_="server_error",
-                    code="engine_unavailable", headers={"Retry-After": "1"})
 
 
 @contextlib.asynccontextmanager
