@@ -591,27 +591,31 @@ class ScriptedEngine:
 @pytest.fixture
 def scripted(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The app's FastAPI routes served by a host holding a ScriptedEngine (no Ray, no model)."""
-    from ray import serve
+    import contextlib
+
     from starlette.testclient import TestClient
 
-    from serving import app as serving_app  # noqa: F401  (binds the routes to the deployment class)
+    from serving.openai.routes import OpenAIRoutes, build_api
     from serving.replica.metrics import ReplicaMetrics
-    from serving.openai.routes import OpenAIRoutes, api
 
-    class Host(OpenAIRoutes):
-        api_key: str | None = None
-        cors_origins: list[str] = []
-
+    class Host:
         def __init__(self) -> None:
             self.engine = ScriptedEngine()
             self.metrics = ReplicaMetrics("scripted-replica", "scripted")
+            self.api = build_api(OpenAIRoutes(self).router())
 
         def ready_engine(self) -> Any:
             return self.engine
 
+        @contextlib.asynccontextmanager
+        async def engine_turn(self) -> Any:
+            yield self.engine
+
+        def stream_spacing(self) -> float:
+            return 0.0
+
     host = Host()
-    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=host))
-    with TestClient(api, raise_server_exceptions=False) as http:
+    with TestClient(host.api, raise_server_exceptions=False) as http:
         host.http = http
         yield host
 
@@ -974,9 +978,7 @@ async def _body_writes(app: Any, path: str, body: dict[str, Any]) -> list[bytes]
 def test_scripted_stream_sends_the_role_with_the_first_token_in_one_write(scripted: Any) -> None:
     """A chat stream's opening frame (the role) goes out with its first token, not as a write of its own: each
     write is another trip through the HTTP stack while other requests wait for their first token."""
-    from serving.openai.routes import api
-
-    writes = asyncio.run(_body_writes(api, CHAT, {"messages": MSG, "stream": True}))
+    writes = asyncio.run(_body_writes(scripted.api, CHAT, {"messages": MSG, "stream": True}))
     first = [json.loads(line[len("data: "):]) for line in writes[0].decode().splitlines() if line.startswith("data: ")]
     deltas = [e["choices"][0]["delta"] for e in first]
     assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1]["content"].startswith("Hello")

@@ -113,7 +113,7 @@ def test_default_threads_are_every_cpu_unless_capped(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.engine
 def test_auto_interval_paces_harder_only_where_decoding_takes_every_core() -> None:
-    from serving.app import CPU_BOUND_INTERVAL_MS, INTERVAL_MS, stream_interval_ms
+    from serving.replica.options import CPU_BOUND_INTERVAL_MS, INTERVAL_MS, stream_interval_ms
     from serving.engine.config import EngineConfig
 
     cpu = EngineConfig(n_gpu_layers=0)

@@ -3,6 +3,7 @@ made by another test would hide it here)."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,9 @@ import pytest
 pytestmark = pytest.mark.unit
 
 LIBLLAMA = ("llama_cpp", "serving.engine.llama", "serving.engine.core", "serving.openai.structured")
+SERVING = Path(__file__).resolve().parents[1] / "serving"
+PARTS = ("engine", "openai", "front", "replica")
+ENGINE_PUBLIC = frozenset({"core", "config", "request", "errors", "chat_template", "traffic"})  # what openai/ may use
 
 
 def _loaded_after(module: str) -> set[str]:
@@ -20,8 +24,10 @@ def _loaded_after(module: str) -> set[str]:
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["serving.front.http", "serving.front.ingress", "serving.front.relay", "serving.openai.requests",
-                                    "serving.openai.slot_files", "serving.engine.prompt_cache", "serving.engine.buffers"])
+@pytest.mark.parametrize("module", ["serving.front.http", "serving.front.ingress", "serving.front.relay",
+                                    "serving.front.errors", "serving.openai.requests", "serving.openai.errors",
+                                    "serving.openai.slot_files", "serving.engine.prompt_cache",
+                                    "serving.engine.buffers"])
 def test_the_rooms_without_a_model_load_no_libllama(module: str) -> None:
     """The ingress holds no model: importing it (or the HTTP room, the request shapes, the relay) must not
     load libllama, the engine or the grammar compiler."""
@@ -29,25 +35,100 @@ def test_the_rooms_without_a_model_load_no_libllama(module: str) -> None:
     assert not loaded & set(LIBLLAMA), f"{module} loads {sorted(loaded & set(LIBLLAMA))}"
 
 
-def test_binding_calls_live_in_serving_llama_alone() -> None:
-    """Every llama.cpp binding call goes through serving/engine/llama.py (checked there against the vendored llama.h):
-    no other module of serving/ imports the bindings, from llama_cpp or through serving.engine.llama."""
-    import ast
-    from pathlib import Path
+def _modules() -> list[Path]:
+    """Every module of serving/, every package walked (a new subpackage is checked without being listed)."""
+    return sorted(SERVING.rglob("*.py"))
 
-    root = Path(__file__).resolve().parents[1] / "serving"
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every module `path` imports, at the top or inside a function (a lazy import counts), as dotted names;
+    `from serving.engine import llama` yields serving.engine.llama."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return found
+
+
+def _part(path: Path) -> str | None:
+    rel = path.relative_to(SERVING).parts
+    return rel[0] if len(rel) > 1 else None
+
+
+def _part_of(name: str) -> str | None:
+    """The part of serving/ a dotted import names (None: outside serving, or the root's modules)."""
+    bits = name.split(".")
+    return bits[1] if len(bits) > 2 and bits[0] == "serving" and bits[1] in PARTS else (
+        "app" if bits[:2] == ["serving", "app"] else None)
+
+
+def _offenders(paths: list[Path], refused: set[str]) -> list[str]:
+    return [f"{p.relative_to(SERVING)}:{line} imports {name}" for p in paths for line, name in _imports(p)
+            if _part_of(name) in refused]
+
+
+def test_serving_is_four_parts_and_the_composition_root() -> None:
+    """serving/ holds engine/, openai/, front/ and replica/ beside app.py; no module lies loose beside them."""
+    loose = sorted(p.name for p in SERVING.glob("*.py") if p.name not in ("__init__.py", "app.py"))
+    assert loose == [] and sorted(p.name for p in SERVING.iterdir() if (p / "__init__.py").exists()) == sorted(PARTS)
+
+
+def test_the_engine_imports_no_other_part_of_serving() -> None:
+    """engine/ knows no HTTP, no Serve, no OpenAI: the tuner and the replica build on it, never the reverse."""
+    engine = [p for p in _modules() if _part(p) == "engine"]
+    assert engine and _offenders(engine, {"openai", "front", "replica", "app"}) == []
+
+
+def test_the_front_door_holds_no_engine() -> None:
+    """front/ is what a request meets first, on the head node too: it imports nothing of engine/ (nor of the
+    parts that hold one)."""
+    front = [p for p in _modules() if _part(p) == "front"]
+    assert front and _offenders(front, {"engine", "openai", "replica", "app"}) == []
+
+
+def test_the_host_knows_no_http() -> None:
+    """The replica's host raises engine-level errors; the routes map them to HTTP. It imports neither front/
+    nor openai/ (its trials, which it imports, neither)."""
+    host = [SERVING / "replica" / "host.py", SERVING / "replica" / "trials.py"]
+    assert _offenders(host, {"front", "openai", "app"}) == []
+
+
+def test_the_openai_layer_uses_the_engines_public_modules_only() -> None:
+    """openai/ reaches the engine through its public modules (the Engine, its config, requests, errors,
+    templates, traffic tags), never its scheduler, caches or bindings; and never the replica or the app."""
+    offenders = _offenders([p for p in _modules() if _part(p) == "openai"], {"replica", "app"})
+    for path in (p for p in _modules() if _part(p) == "openai"):
+        for line, name in _imports(path):
+            bits = name.split(".")
+            if bits[:2] == ["serving", "engine"] and len(bits) > 2 and bits[2] not in ENGINE_PUBLIC:
+                if not (len(bits) > 3 and bits[2] in ENGINE_PUBLIC):
+                    offenders.append(f"{path.relative_to(SERVING)}:{line} imports {name}")
+    assert offenders == []
+
+
+def test_only_the_composition_root_sees_every_part() -> None:
+    """No part imports the app module: it composes them, they do not reach back."""
+    assert _offenders([p for p in _modules() if _part(p)], {"app"}) == []
+
+
+def test_binding_calls_live_in_serving_engine_llama_alone() -> None:
+    """Every llama.cpp binding call goes through serving/engine/llama.py (checked there against the vendored
+    llama.h): no other module of serving/ imports the bindings, from llama_cpp or through serving.engine.llama."""
     offenders = []
-    for path in sorted(root.glob("*.py")):
-        if path.name == "llama.py":
+    for path in _modules():
+        if path == SERVING / "engine" / "llama.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n == "llama_cpp" or n.startswith("llama_cpp.") for n in names):
-                offenders.append(f"{path.name}:{node.lineno} imports {names}")
+                offenders.append(f"{path.relative_to(SERVING)}:{node.lineno} imports {names}")
             if isinstance(node, ast.ImportFrom) and node.module == "serving.engine.llama" and any(
                     a.name in ("llama_cpp", "ll") for a in node.names):
-                offenders.append(f"{path.name}:{node.lineno} takes the raw bindings from serving.engine.llama")
+                offenders.append(f"{path.relative_to(SERVING)}:{node.lineno} takes the raw bindings")
     assert offenders == []
 
 

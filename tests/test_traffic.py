@@ -179,7 +179,7 @@ class FakePeers:
 
 @pytest.mark.engine
 def test_gather_merges_every_answer_and_counts_the_missing() -> None:
-    from serving.app import gather_traffic
+    from serving.replica.control_routes import gather_traffic
 
     own, other = TrafficSummary.empty("a", since=1.0), TrafficSummary.empty("b", since=2.0)
     merged, missing = asyncio.run(gather_traffic(FakePeers([other, own, RuntimeError("lost")]), own))

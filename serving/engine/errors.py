@@ -5,6 +5,8 @@ Pure data (no libllama, no Ray), so the HTTP layer and the tuner can catch them 
 
 from __future__ import annotations
 
+from enum import Enum
+
 
 class EngineError(RuntimeError):
     """The engine could not do what its config asks (load, context creation); the message says what to change."""
@@ -39,3 +41,21 @@ class QueueFullError(RuntimeError):
 
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down or its step thread has stopped; no new request can be taken."""
+
+
+class Unavailable(str, Enum):
+    """Why a replica has no engine for a request now; the values are the error codes clients see."""
+
+    loading = "model_loading"
+    load_failed = "model_load_failed"
+    tuning = "tuning_in_progress"
+
+
+class EngineUnavailableError(RuntimeError):
+    """No engine can take the request now (still loading, failed to load, or an in-place study holds it and its
+    queue is full). Raised by the replica's host, which knows nothing of HTTP; the routes answer it as a 503
+    with `retry_after_s` as Retry-After (None: retrying will not help until an operator acts)."""
+
+    def __init__(self, why: Unavailable, message: str, retry_after_s: int | None = None) -> None:
+        self.why, self.retry_after_s = why, retry_after_s
+        super().__init__(message)

@@ -1,7 +1,7 @@
 """The engine's keeper inside one replica: it loads the engine in the background, switches it to new configs
 (from Serve's user_config and the app's ConfigChannel), lends it to in-place tuning trials, samples its
-metrics and says how it is. serving/app.py's LlamaServer composes one and adds what is Serve's: the
-deployment's lifecycle hooks, the relay from the ingress, and the routes.
+metrics and says how it is. serving/replica/server.py's LlamaServer composes one and adds what is Serve's:
+the deployment's lifecycle hooks, the relay from the ingress, and the routes.
 
 Kept apart so each job has one home: the host knows nothing of HTTP or Serve (it is given its replica id and
 the channel's handle), and the replica class knows nothing of loading, locks or trials.
@@ -16,13 +16,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
-from serving.front.errors import APIError
 from serving.engine.config import EngineConfig
 from serving.replica.control import ConfigFollower
 from serving.engine.core import Engine
-from serving.front.ingress import HealthReport
+from serving.engine.errors import EngineUnavailableError, Unavailable
 from serving.replica.metrics import ReplicaMetrics
 from serving.engine.traffic import TrafficSummary
 from serving.replica.trials import Measure, TrialHost, TrialRun
@@ -32,6 +32,15 @@ log = logging.getLogger("serving")
 METRICS_SAMPLE_S = 1.0
 LEASE_CHECK_S = 1.0
 LOAD_FAILED = "the model failed to load; the reason is in the server log"
+
+
+class HostState(str, Enum):
+    """How the host's engine is, as /health reports it (serving/replica/server.py makes the HTTP answer)."""
+
+    ok = "ok"
+    loading = "loading"
+    load_failed = "load_failed"
+    stopped = "stopped"
 
 
 @dataclass(frozen=True)
@@ -210,9 +219,8 @@ class EngineHost:
         engine = self.engine
         if engine is None:
             if self._loaded.is_set() and self._load_error:
-                raise APIError(503, LOAD_FAILED, type_="server_error", code="model_load_failed")
-            raise APIError(503, "the model is still loading; retry shortly", type_="server_error",
-                           code="model_loading", headers={"Retry-After": "2"})
+                raise EngineUnavailableError(Unavailable.load_failed, LOAD_FAILED)
+            raise EngineUnavailableError(Unavailable.loading, "the model is still loading; retry shortly", 2)
         return engine
 
     @contextlib.asynccontextmanager
@@ -221,16 +229,16 @@ class EngineHost:
         async with self.trials.client_turn():
             yield self.ready_engine()
 
-    def health_report(self) -> HealthReport:
+    def state(self) -> HostState:
         """This replica's state for /health: read only, never waits for the engine."""
         engine = self.engine
         if engine is not None and engine.alive:
-            return HealthReport(200, {"status": "ok"})
+            return HostState.ok
         if engine is not None:
-            return HealthReport(503, {"status": "error", "error": "the engine has stopped"})
+            return HostState.stopped
         if self._loaded.is_set() and self._load_error:
-            return HealthReport(503, {"status": "error", "error": LOAD_FAILED})
-        return HealthReport(503, {"status": "loading"}, {"Retry-After": "2"})
+            return HostState.load_failed
+        return HostState.loading
 
     @property
     def load_error(self) -> str | None:

@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from serving.front.errors import APIError
 from serving.engine.config import EngineConfig
+from serving.engine.errors import EngineUnavailableError, Unavailable
 
 if TYPE_CHECKING:  # only annotations here: importing this module loads no libllama (its tests use a fake engine)
     from serving.engine.core import Engine
@@ -129,8 +129,8 @@ class TrialHost:
                 self._passing -= 1
             return
         if self._waiting >= self._max_waiting:
-            raise APIError(503, "the server is tuning itself and its queue is full; retry shortly",
-                           type_="server_error", code="tuning_in_progress", headers={"Retry-After": "5"})
+            raise EngineUnavailableError(Unavailable.tuning, "the server is tuning itself and its queue is full; "
+                                         "retry shortly", 5)
         self._waiting += 1
         try:
             async with self._lock:  # waits out a running trial
