@@ -73,8 +73,8 @@ def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "serving", "tuning"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "serving", "tuning"],
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         return out.stdout.strip() + (" (serving/ or tuning/ has uncommitted changes)" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

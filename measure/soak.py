@@ -230,7 +230,8 @@ def judge_health(samples: list[HealthSample], down: tuple[float, float] | None =
     return {
         "polls": len(samples),
         "statuses": dict(Counter(str(s.status) if s.status is not None else "none" for s in samples)),
-        "p50_s": rounded(percentile(lat, 50)), "p99_s": rounded(percentile(lat, 99)), "max_s": rounded(max(lat) if lat else None),
+        "p50_s": rounded(percentile(lat, 50)), "p99_s": rounded(percentile(lat, 99)),
+        "max_s": rounded(max(lat) if lat else None),
         "over_bound": sum(1 for s in samples if s.latency_s >= bound_s),
         "non_200_bodies": dict(Counter(f"{s.status} {s.body}" for s in samples if s.status not in (None, 200))),
         "violations": len(bad), "examples": bad[:8], "passed": not bad and bool(samples),

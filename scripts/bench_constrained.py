@@ -46,7 +46,6 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 import json
 import shlex
 import statistics
@@ -60,66 +59,15 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
-from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter  # noqa: E402  (pure Python: GBNF, the reference)
+from measure.constrained import PERSON, WEATHER, Mode, gbnf_of, modes  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import llama_server, llama_server_flags  # noqa: E402
 from serving.engine.config import EngineConfig  # noqa: E402
 from serving.engine.core import Engine  # noqa: E402
 from serving.engine.request import (Constraint, ConstraintKind, FinishReason, GenerationChunk, SamplingParams,  # noqa: E402
                              Usage)
-from serving.openai.structured import (ANSWER_BOUNDS, CALL_BOUNDS, bounded, json_schema_guide,  # noqa: E402
-                                response_format_guide, tool_call_guide)
+from serving.openai.structured import ANSWER_BOUNDS, bounded, json_schema_guide  # noqa: E402
 from serving.openai.tools import messages_for_plain_template  # noqa: E402
-
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
-                                           "age": {"type": "integer"}, "city": {"type": "string", "maxLength": 40},
-                                           "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30},
-                                                       "maxItems": 4}},
-          "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
-WEATHER: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"]}}}
-
-
-@dataclass(frozen=True)
-class Mode:
-    """One kind of constrained request: its question, whether tools are shown, and its constraint as the
-    server compiles it (an llguidance guide) and as GBNF (llama.cpp's grammar sampler, the reference)."""
-
-    text: str
-    tools: bool
-    guide: Constraint
-    gbnf: str
-
-
-def gbnf_of(schema: dict[str, Any], rule: str = "") -> tuple[str, str]:
-    """GBNF rules for a JSON schema (llama-cpp-python's converter, as llama-server's Python tooling) and the
-    name of its top rule."""
-    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    top = converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), "request"), rule)
-    return str(converter.format_grammar()), str(top)
-
-
-def modes() -> dict[str, Mode]:
-    """The constrained modes: the forced call's GBNF is the same Hermes-style block the guide describes."""
-    params = WEATHER["function"]["parameters"]
-    call = {"type": "object", "properties": {"name": {"const": "get_weather"},
-                                             "arguments": bounded(params, CALL_BOUNDS)},
-            "required": ["name", "arguments"], "additionalProperties": False}
-    rules, top = gbnf_of(call, "call")
-    tool_gbnf = f'root ::= "<tool_call>\\n" {top} "\\n</tool_call>"\n{rules}'
-    json_object = response_format_guide("json_object")
-    assert json_object is not None
-    return {
-        "json_object": Mode("Describe a person as JSON: name, age, city and hobbies.", False, json_object,
-                            JSON_GBNF),
-        "json_schema": Mode("Describe a person: name, age, city and hobbies.", False,
-                            response_format_guide("json_schema", PERSON) or json_object,
-                            gbnf_of(bounded(PERSON, ANSWER_BOUNDS))[0]),
-        "tool_call": Mode("What's the weather in Paris, in celsius?", True,
-                          tool_call_guide([("get_weather", params)], parallel=False), tool_gbnf),
-    }
-
 
 def large_schema(n: int = 60, salt: str = "") -> dict[str, Any]:
     """A schema of an API's size: `n` properties cycling through strings with bounds, integers with ranges,

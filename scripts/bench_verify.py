@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,22 +25,13 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving.engine.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
 from measure.provenance import provenance, write_report  # noqa: E402
+from measure.verify_cost import timed_decode  # noqa: E402
 from serving.engine.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
 from serving.engine.config import default_threads  # noqa: E402
 from serving.engine.repack import use_extra_bufts  # noqa: E402
 
 
 BURST = 4  # decodes per k and round after the dropped first one
-
-
-def timed_decode(ctx: LlamaContext, tokens: list[int], pos: int) -> float:
-    ctx.clear_batch()
-    ctx.batch.add(tokens, pos, 0, logits_for_last=True, logits_for_all=True)
-    t0 = time.perf_counter()
-    if ctx.decode() != 0:
-        raise SystemExit("llama_decode failed")
-    _ = ctx.logits(len(tokens) - 1)[0]  # the result is read back, as the scheduler does
-    return time.perf_counter() - t0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

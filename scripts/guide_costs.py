@@ -14,61 +14,17 @@ loaded.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
-from functools import partial
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 from serving.engine import llama  # noqa: E402  (first: the library load order, see serving/engine/llama.py)
-import numpy as np  # noqa: E402
-from bench_constrained import modes  # noqa: E402
+from measure.constrained import ANSWERS, CALLS, modes, replay, summary  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from serving.engine.config import EngineConfig  # noqa: E402
-
-# One valid answer per mode of bench_constrained.py (its PERSON schema, its get_weather tool).
-ANSWERS = {
-    "json_object": json.dumps({"name": "Alice", "age": 34, "note": "likes chess and long walks"}),
-    "json_schema": json.dumps({"name": "Alice Smith", "age": 34, "city": "Paris",
-                               "hobbies": ["reading", "hiking", "chess"]}),
-    "tool_call": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
-                 '\n</tool_call>',
-}
-CALLS = ("check", "advance", "mask", "unpack")
-
-
-def replay(model: llama.LlamaModel, grammar: str, tokens: list[int]) -> dict[str, list[float]]:
-    """Seconds of each call at each token of `tokens`, through a fresh matcher of `grammar`."""
-    guide = model.guides.matcher(grammar)
-    mask = np.zeros((model.n_vocab + 31) // 32, dtype=np.int32)
-    spent: dict[str, list[float]] = {call: [] for call in CALLS}
-
-    def timed(call: str, work: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
-        out = work()
-        spent[call].append(time.perf_counter() - start)
-        return out
-
-    for token in tokens:
-        timed("mask", lambda: guide.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes))
-        timed("unpack", lambda: np.unpackbits(mask.view(np.uint8), bitorder="little")[:model.n_vocab].astype(bool))
-        if timed("check", partial(guide.validate_tokens, [token])) != 1:
-            raise RuntimeError(f"the guide refuses token {token} ({model.token_text(token)!r}) of its own answer")
-        if not timed("advance", partial(guide.consume_token, token)):
-            raise RuntimeError(f"the guide could not advance on token {token}: {guide.get_error()}")
-    return spent
-
-
-def summary(seconds: list[float]) -> dict[str, float]:
-    micro = [1e6 * s for s in seconds]
-    return {"median_us": statistics.median(micro), "mean_us": statistics.fmean(micro), "max_us": max(micro)}
 
 
 def main() -> None:

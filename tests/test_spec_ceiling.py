@@ -1,4 +1,5 @@
-"""scripts/spec_ceiling.py's arithmetic on made-up texts and costs (the measuring needs the model: run the script)."""
+"""measure/spec_ceiling.py's arithmetic (scripts/spec_ceiling.py's) on made-up texts and costs (the measuring
+needs the model: run the script)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ from __future__ import annotations
 import pytest
 
 from serving.engine.speculate import SpecSettings
-from tests.helpers import script_module
 
-pytestmark = pytest.mark.engine  # the script imports serving.engine.llama (libllama) first, as every script does
+pytestmark = pytest.mark.engine  # the module imports serving.engine.llama (libllama) first, as every script does
 
 SETTINGS = SpecSettings(draft_max=8, ngram_min=2, ngram_max=3)
 PROMPT = list(range(100, 140))  # 40 distinct tokens
@@ -20,7 +20,9 @@ LINEAR = {k: float(k) for k in range(1, 10)}  # every row costs a decode
 
 @pytest.fixture(scope="module")
 def ceiling():  # noqa: ANN201
-    yield from script_module("spec_ceiling")
+    from measure import spec_ceiling
+
+    yield spec_ceiling
 
 
 def test_replay_keeps_every_held_guess_and_counts_each_token_once(ceiling) -> None:  # noqa: ANN001

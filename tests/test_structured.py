@@ -210,10 +210,11 @@ def test_chat_template_sees_tools_and_template_kwargs() -> None:
 
 @pytest.fixture(scope="module")
 def costs() -> Iterator[ModuleType]:
-    """scripts/guide_costs.py as a module (it loads libllama: the tests using it are in lane engine)."""
-    from tests.helpers import script_module
+    """measure/constrained.py, guide_costs' modes, answers and replay (it loads libllama: the tests using it are
+    in lane engine)."""
+    from measure import constrained
 
-    yield from script_module("guide_costs")
+    yield constrained
 
 
 @pytest.mark.engine

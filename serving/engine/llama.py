@@ -305,6 +305,32 @@ def gpu_offload_supported() -> bool:
     return bool(ll.llama_supports_gpu_offload())
 
 
+@functools.cache
+def builtin_chat_templates() -> tuple[str, ...]:
+    """The chat formats llama.cpp writes itself, by name (llama.h: `int32_t llama_chat_builtin_templates(const
+    char ** output, size_t len)`, which returns how many there are and fills at most `len`): the names
+    llama-server's `--chat-template NAME` takes. A property of the build, asked once."""
+    count = ll.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * count)()
+    ll.llama_chat_builtin_templates(names, count)
+    return tuple(sorted(name.decode() for name in names if name))
+
+
+def format_builtin_chat(name: str, messages: Sequence[tuple[str, str]], add_assistant: bool) -> str:
+    """`messages` (role, content) in llama.cpp's built-in chat format `name` (llama.h: `int32_t
+    llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg, bool
+    add_ass, char * buf, int32_t length)`: the prompt's length in bytes, negative for a format it does not know,
+    and the text copied into `buf` only when one is given). ValueError where llama.cpp refuses."""
+    chat = (ll.llama_chat_message * len(messages))(
+        *(ll.llama_chat_message(role.encode(), content.encode()) for role, content in messages))
+    needed = ll.llama_chat_apply_template(name.encode(), chat, len(messages), add_assistant, None, 0)
+    if needed < 0:
+        raise ValueError(f"llama.cpp's chat format {name!r} cannot format these messages")
+    buf = ctypes.create_string_buffer(needed + 1)  # strncpy adds the terminator only where there is room
+    ll.llama_chat_apply_template(name.encode(), chat, len(messages), add_assistant, buf, len(buf))
+    return buf.raw[:needed].decode("utf-8", "replace")
+
+
 VOCAB_SAMPLES = 512  # token ids compared between a model and its draft model (spread over the vocabulary)
 
 
