@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -214,7 +214,8 @@ def test_on_a_cpu_where_rows_cost_nearly_a_decode_each_only_near_certain_guesses
 
 @pytest.mark.unit
 def test_on_a_gpu_where_rows_are_nearly_free_long_drafts_pay() -> None:
-    gpu = costs({1: 9.6, 2: 10.8, 4: 15.5, 8: 23.7, 16: 19.9})  # the H200, 27B-class (performance.md)
+    # the H200, 27B-class: docs/log/2026-12-03-h200-verify-cost.md
+    gpu = costs({1: 9.6, 2: 10.8, 4: 15.5, 8: 23.7, 16: 19.9})
     assert draft_length(acceptance(36, 64), gpu, 15, 1, False) >= 1
     assert draft_length(acceptance(90, 10), gpu, 15, 1, False) == 15
     assert draft_length(acceptance(90, 10), gpu, 3, 1, False) == 3  # no more than offered
@@ -248,7 +249,8 @@ def test_a_costly_first_verify_does_not_price_longer_drafts_out() -> None:
 def test_where_one_guess_costs_what_many_do_a_probe_guesses_many() -> None:
     """The H200 running the 135M model: one row decodes from a captured CUDA graph, more rows do not, so any
     verify costs ~4.5 steps, and a one-guess probe could never show a run worth that price."""
-    small = costs({1: 1.2, 2: 5.5, 8: 5.8, 16: 6.5})  # engine step ms by rows (performance.md)
+    # engine step ms by rows, the H200: docs/log/2026-12-04-spec-greedy-ceiling-h200.md
+    small = costs({1: 1.2, 2: 5.5, 8: 5.8, 16: 6.5})
     low = acceptance(1, 9)
     lengths = [draft_length(low, small, 15, 1, probe_backoff=False) for _ in range(PROBE_EVERY)]
     assert lengths[-1] >= 8 and set(lengths[:-1]) == {0}
@@ -479,10 +481,20 @@ def test_a_draft_cut_from_the_model_shares_its_vocabulary(tmp_path: Path) -> Non
         engine.close()
 
 
+def _stats(counters: Any, **more: Any) -> Any:
+    """An idle engine's snapshot with these counters (and cache counts, acceptance) for the metrics."""
+    from serving.engine.config import EngineConfig
+    from serving.engine.stats import EngineStats
+
+    return EngineStats(config=EngineConfig(), n_ctx_slot=1, weight_loads=1, slots=[], slots_busy=0, queue_depth=0,
+                       counters=counters, **more)
+
+
 @pytest.mark.engine
 def test_speculation_counters_reach_the_metrics_as_deltas() -> None:
     """/metrics: the engine's totals become counters that grow by what was counted since the last snapshot
     (an engine restart starts its totals again), and the acceptance rate a gauge."""
+    from serving.engine.scheduler import Counters
     from serving.replica.metrics import ReplicaMetrics
 
     def lines(text: bytes) -> dict[str, float]:
@@ -490,11 +502,10 @@ def test_speculation_counters_reach_the_metrics_as_deltas() -> None:
                 if ln.startswith("llm_spec_") and "_created" not in ln}
 
     metrics = ReplicaMetrics("r", "m")
-    stats = {"queue_depth": 0, "slots_busy": 0, "slots": [], "n_ctx_slot": 1, "config": {},
-             "counters": {"spec_drafted": 10, "spec_accepted": 7}, "spec_acceptance": 0.7}
+    stats = _stats(Counters(spec_drafted=10, spec_accepted=7), spec_acceptance=0.7)
     assert lines(metrics.exposition(stats)) == {"llm_spec_draft_tokens_total": 10.0,
                                                 "llm_spec_accepted_tokens_total": 7.0, "llm_spec_acceptance_rate": 0.7}
-    restarted = {**stats, "counters": {"spec_drafted": 4, "spec_accepted": 1}, "spec_acceptance": 0.25}
+    restarted = _stats(Counters(spec_drafted=4, spec_accepted=1), spec_acceptance=0.25)
     assert lines(metrics.exposition(restarted)) == {"llm_spec_draft_tokens_total": 14.0,
                                                     "llm_spec_accepted_tokens_total": 8.0,
                                                     "llm_spec_acceptance_rate": 0.25}
@@ -504,6 +515,10 @@ def test_speculation_counters_reach_the_metrics_as_deltas() -> None:
 def test_prompt_cache_counts_reach_the_metrics() -> None:
     """/metrics: the prompt cache's hits, restored tokens, evictions, saves and skipped saves as counters
     growing by the engine's deltas, its bytes and entries as gauges; nothing when the cache is off."""
+    from dataclasses import replace
+
+    from serving.engine.prompt_cache import PromptCacheStats
+    from serving.engine.scheduler import Counters
     from serving.replica.metrics import ReplicaMetrics
 
     def lines(text: bytes) -> dict[str, float]:
@@ -511,15 +526,13 @@ def test_prompt_cache_counts_reach_the_metrics() -> None:
                 if ln.startswith("llm_prompt_cache_") and "_created" not in ln}
 
     metrics = ReplicaMetrics("r", "m")
-    stats = {"queue_depth": 0, "slots_busy": 0, "slots": [], "n_ctx_slot": 1, "config": {},
-             "counters": {"spec_drafted": 0, "spec_accepted": 0}, "prompt_cache": None}
-    assert lines(metrics.exposition(stats)) == {}
-    cache = {"limit_bytes": 1000, "entries": 2, "bytes": 600, "tokens": 90, "hits": 3, "hit_tokens": 75,
-             "saves": 5, "skipped": 4, "evictions": 1}
-    assert lines(metrics.exposition({**stats, "prompt_cache": cache})) == {
+    assert lines(metrics.exposition(_stats(Counters()))) == {}
+    cache = PromptCacheStats(limit_bytes=1000, entries=2, bytes=600, tokens=90, hits=3, hit_tokens=75, saves=5,
+                             skipped=4, evictions=1)
+    assert lines(metrics.exposition(_stats(Counters(), prompt_cache=cache))) == {
         "llm_prompt_cache_hits_total": 3.0, "llm_prompt_cache_hit_tokens_total": 75.0,
         "llm_prompt_cache_evictions_total": 1.0, "llm_prompt_cache_saves_total": 5.0,
         "llm_prompt_cache_skipped_saves_total": 4.0, "llm_prompt_cache_bytes": 600.0,
         "llm_prompt_cache_entries": 2.0}
-    later = {**cache, "hits": 5, "hit_tokens": 100, "entries": 1, "bytes": 300}
-    assert lines(metrics.exposition({**stats, "prompt_cache": later}))["llm_prompt_cache_hits_total"] == 5.0
+    later = replace(cache, hits=5, hit_tokens=100, entries=1, bytes=300)
+    assert lines(metrics.exposition(_stats(Counters(), prompt_cache=later)))["llm_prompt_cache_hits_total"] == 5.0

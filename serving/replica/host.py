@@ -178,7 +178,7 @@ class EngineHost:
             if engine is None:
                 continue
             try:
-                self.metrics.record_snapshot(engine.stats())
+                self.metrics.record_snapshot(engine.snapshot())
                 self.record_shapes(engine)
             except Exception:
                 log.warning("sampling the engine's metrics failed", exc_info=True)

@@ -22,6 +22,7 @@ import prometheus_client as prom
 from ray.serve import metrics as ray_metrics
 
 from serving.engine.request import FinishReason, Usage
+from serving.engine.stats import EngineStats
 from serving.engine.traffic import N_EDGES, TOKEN_EDGES, RequestShape
 
 TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -184,44 +185,42 @@ class ReplicaMetrics:
         """A request turned away before it reached a slot (`queue_full`, `engine_stopped`, `loading`)."""
         self._inc("rejected", cause=cause)
 
-    def record_snapshot(self, stats: dict[str, Any]) -> None:
+    def record_snapshot(self, stats: EngineStats) -> None:
         labels, tags = self._labels()
-        values = {"queue": stats["queue_depth"], "busy": stats["slots_busy"],
-                  "kv": sum(slot["n_cached"] for slot in stats["slots"]),
-                  "kv_total": stats["n_ctx_slot"] * len(stats["slots"])}
+        values = {"queue": stats.queue_depth, "busy": stats.slots_busy, "kv": stats.cells_cached,
+                  "kv_total": stats.n_ctx_slot * len(stats.slots)}
         for name, value in values.items():
             self._prom[name].labels(**labels).set(value)
             self._ray[name].set(value, tags=tags)
         self._record_speculation(stats)
         self._record_prompt_cache(stats)
-        config = stats["config"]
+        config = stats.config.to_yaml_dict()
         self._prom["config"].clear()
         self._prom["config"].labels(**labels, **{k: str(config.get(k, "")) for k in CONFIG_LABELS}).set(1)
 
-    def _record_speculation(self, stats: dict[str, Any]) -> None:
+    def _record_speculation(self, stats: EngineStats) -> None:
         """The engine counts guesses since it started; the counters here grow by what it counted since the
         last snapshot (all of it after an engine restart, whose totals start again)."""
-        counters = stats["counters"]
-        self._grow("drafted", counters["spec_drafted"])
-        self._grow("accepted", counters["spec_accepted"])
-        if stats.get("spec_acceptance") is not None:
+        self._grow("drafted", stats.counters.spec_drafted)
+        self._grow("accepted", stats.counters.spec_accepted)
+        if stats.spec_acceptance is not None:
             labels, tags = self._labels()
-            self._prom["acceptance"].labels(**labels).set(stats["spec_acceptance"])
-            self._ray["acceptance"].set(stats["spec_acceptance"], tags=tags)
+            self._prom["acceptance"].labels(**labels).set(stats.spec_acceptance)
+            self._ray["acceptance"].set(stats.spec_acceptance, tags=tags)
 
-    def _record_prompt_cache(self, stats: dict[str, Any]) -> None:
-        cache = stats.get("prompt_cache")
+    def _record_prompt_cache(self, stats: EngineStats) -> None:
+        cache = stats.prompt_cache
         if cache is None:
             return
-        self._grow("cache_hits", cache["hits"])
-        self._grow("cache_hit_tokens", cache["hit_tokens"])
-        self._grow("cache_evictions", cache["evictions"])
-        self._grow("cache_saves", cache["saves"])
-        self._grow("cache_skipped", cache["skipped"])
+        self._grow("cache_hits", cache.hits)
+        self._grow("cache_hit_tokens", cache.hit_tokens)
+        self._grow("cache_evictions", cache.evictions)
+        self._grow("cache_saves", cache.saves)
+        self._grow("cache_skipped", cache.skipped)
         labels, tags = self._labels()
-        for name, key in (("cache_bytes", "bytes"), ("cache_entries", "entries")):
-            self._prom[name].labels(**labels).set(cache[key])
-            self._ray[name].set(cache[key], tags=tags)
+        for name, value in (("cache_bytes", cache.bytes), ("cache_entries", cache.entries)):
+            self._prom[name].labels(**labels).set(value)
+            self._ray[name].set(value, tags=tags)
 
     def _grow(self, name: str, total: int) -> None:
         """Counter `name` grows by what the engine's `total` gained since the last snapshot (all of it after
@@ -232,7 +231,7 @@ class ReplicaMetrics:
             self._inc(name, delta)
         self._seen[name] = total
 
-    def exposition(self, stats: dict[str, Any] | None = None) -> bytes:
+    def exposition(self, stats: EngineStats | None = None) -> bytes:
         """Prometheus text format of this replica's metrics; gauges refreshed from `stats` when given."""
         if stats is not None:
             self.record_snapshot(stats)

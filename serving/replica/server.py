@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import asdict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -152,7 +153,7 @@ class LlamaServer:
         engine = self.host.engine
         return {"replica": self.host.replica, "node": self.place(), "health": self.health_report().body,
                 "config": engine.config.to_yaml_dict() if engine is not None else None,
-                "counters": engine.stats()["counters"] if engine is not None else {},
+                "counters": asdict(engine.snapshot().counters) if engine is not None else {},
                 "load_error": self.host.load_error}
 
     async def metrics_text(self) -> str:
@@ -161,7 +162,7 @@ class LlamaServer:
         engine, stats = self.host.engine, None
         if engine is not None:
             try:
-                stats = engine.stats()
+                stats = engine.snapshot()
                 self.host.record_shapes(engine)
             except Exception:
                 log.warning("reading the engine's stats for /metrics failed", exc_info=True)
