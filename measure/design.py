@@ -30,7 +30,7 @@ def round_order(targets: Sequence[T], index: int) -> list[T]:
     """The targets' order in round `index`: every ordering in turn (for two, A B then B A), so that over a
     run each target follows each other one as often. Reversing alone keeps a middle target beside the same
     neighbours; on a CPU, where the last target's threads may still hold the cores, the target that always
-    follows the in-process engine paid for it (docs/performance.md, "what follows the in-process engine")."""
+    follows the in-process engine paid for it (docs/log/2026-12-06-cpu-http-omp-wait.md)."""
     rest, order = list(targets), []
     index %= math.factorial(len(rest))
     for left in range(len(rest), 0, -1):  # the index-th of itertools.permutations' order, without listing them

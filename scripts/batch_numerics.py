@@ -8,7 +8,7 @@ For each cache type and flash-attention setting, and a prompt shorter and longer
 next token alone, then as the first of k rows of its sequence (k = 2, 8, 16), then beside one row of each of
 three other sequences, and prints the largest logit difference from the lone row (0 = bitwise the same).
 
-On CPU (measured, see docs/performance.md): with an f16 K/V cache, flash attention takes a kernel of its own for
+On CPU (measured, see docs/log/2026-12-04-spec-greedy-ceiling-h200.md): with an f16 K/V cache, flash attention takes a kernel of its own for
 a lone row past 512 cells (split over the cache, f32 sums), so a lone stream's logits there differ from the
 same position in any larger batch; without flash attention, the attention's matrix products change kernel
 from one row to several (in some shapes). With a quantised K cache (q8_0) and flash attention, every row goes through one

@@ -27,7 +27,7 @@ def test_a_variant_is_a_name_serve_run_words_and_replica_environment(bench) -> N
 
 
 def test_a_saved_run_prints_paired_ratios_and_ttft_gaps_worked_out_from_its_rounds(bench) -> None:  # noqa: ANN001
-    """The committed CPU run of docs/performance.md ("The HTTP path: what a streamed token costs")."""
+    """The committed CPU run of docs/log/2026-12-04-cpu-http-pacing.md."""
     import json
 
     report = json.loads((bench.REPO_ROOT / "docs" / "results" / "bench_http_path_cpu_auto.json").read_text())

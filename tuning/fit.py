@@ -36,7 +36,8 @@ class ExpertEnd(str, Enum):
     """Which end of the model the layers whose experts live in host memory are taken from. `first`: layers
     0..N-1, llama-server's --n-cpu-moe; `last`: the N nearest the output, where its --fit puts them. At the same
     count and VRAM the speed can differ: on an H100, 29 of 48 layers' experts, last instead of first, ran four
-    streams 1.19x faster with TTFT 0.53x, one stream the same (docs/performance.md); so the tuner measures both."""
+    streams 1.19x faster with TTFT 0.53x, one stream the same (docs/log/2026-12-06-h100-sixth-run.md); so the
+    tuner measures both."""
 
     first = "first"
     last = "last"

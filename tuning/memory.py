@@ -33,8 +33,8 @@ CACHE_TYPE_BYTES: dict[CacheType, float] = {
 }
 
 # what a GPU process holds beyond its tensors once it has served: CUDA context, cuBLAS workspace, llama.cpp's
-# memory pool. Set from the H100 and H200 runs (docs/performance.md): a dense model's GPU memory after a workload
-# less its weights, K/V and compute buffers came to 574-603 MiB, ours and llama-server's.
+# memory pool. Set from the H100 and H200 runs (docs/log/2026-12-05-h100-fourth-run.md): a dense model's GPU
+# memory after a workload less its weights, K/V and compute buffers came to 574-603 MiB, ours and llama-server's.
 GPU_RUNTIME_OVERHEAD = 608 * MiB
 # ggml's allocator places a graph's tensors best-fit; what it reserves exceeded the largest stage's live tensors
 # by up to 4.3% on the CPU (SmolLM2-135M and a synthetic wide-FFN model, micro-batches of 32 to 2048 rows)
@@ -45,8 +45,8 @@ OP_OFFLOAD_MIN_ROWS = 32
 # a CPU process: the Python interpreter and llama.cpp's host-side state
 CPU_RUNTIME_OVERHEAD = 64 * MiB
 # a GPU process's host memory beyond its tensors: the CUDA driver and runtime libraries it maps (cuBLAS among
-# them), and the interpreter. Set from the H100 run of 2026-12-05 (docs/performance.md): eight placements'
-# RSS over their host tensors, llama-server's and ours, 0.17-0.77 GiB; 64 MiB had predicted 2-8% low.
+# them), and the interpreter. Set from the H100 run of 2026-12-05 (docs/log/2026-12-05-h100-first-run.md): eight
+# placements' RSS over their host tensors, llama-server's and ours, 0.17-0.77 GiB; 64 MiB had predicted 2-8% low.
 GPU_PROCESS_HOST_OVERHEAD = 480 * MiB
 
 

@@ -163,8 +163,8 @@ def thread_choices(threads: int) -> tuple[int, ...]:
     """Thread counts to search for what the CPU computes once part of the model lives in host memory, given
     the threads an engine there runs by default (every CPU it may use): all, one fewer, and half. The CPU's
     share decides the speed then (on the 16-core H100 machine an MoE with 29 layers' experts in host memory
-    decoded 1.5x faster on 16 threads than on 8: docs/performance.md), and one fewer leaves a core to the step
-    loop's Python and the HTTP path, which otherwise stall llama.cpp's barriers on a busy core."""
+    decoded 1.5x faster on 16 threads than on 8: docs/log/2026-12-05-h100-first-run.md), and one fewer leaves a
+    core to the step loop's Python and the HTTP path, which otherwise stall llama.cpp's barriers on a busy core."""
     return tuple(sorted({threads, max(threads - 1, 1), max(threads // 2, 1)}))
 
 

@@ -4,8 +4,8 @@
 #   1. waits for setup.sh's llama.cpp build, writes the 27B-class synthetic model (random weights: speed only);
 #   2. starts Ray, then `serve run serving.app:main` on that model (the article's cache types, 4 slots);
 #   3. streams chat completions back to back the whole time (scripts/stream_client.py);
-#   4. runs `python -m tuning.search --in-place` with TUNER ARGS (default: the study of docs/performance.md,
-#      "In-place tuning on the H200": 40 trials, a V100's 32 GiB, capacity floor 20, 2 repeats, 2 confirmation rounds);
+#   4. runs `python -m tuning.search --in-place` with TUNER ARGS (default: the study of docs/log/2026-12-04-h200-inplace-study.md,
+#      40 trials, a V100's 32 GiB, capacity floor 20, 2 repeats, 2 confirmation rounds);
 #   5. stops the client and saves what shows the study ran in place: /slots before and after (weight loads,
 #      the config served), the client's count of ok and failed streams, nvidia-smi, the tuner's report.
 # Each step writes OUT/progress.log; OUT/done holds "rc=N" at the end. Start it with setsid so it outlives

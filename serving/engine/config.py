@@ -182,7 +182,8 @@ class EngineConfig(BaseModel):
                            "the CPU, from layer cpu_moe_start on; everything else as n_gpu_layers says [--n-cpu-moe]")
     cpu_moe_start: int = Field(0, ge=0, description="the first of n_cpu_moe's layers: 0 = layers 0..N-1, as "
                                "llama-server's --n-cpu-moe; L-N = the last N of L layers, where its --fit puts "
-                               "experts (4 streams 1.19x, TTFT 0.53x on an H100: docs/performance.md)")
+                               "experts (4 streams 1.19x, TTFT 0.53x on an H100: "
+                               "docs/log/2026-12-06-h100-sixth-run.md)")
     override_tensor: tuple[str, ...] = Field((), description="tensors matching PATTERN in "
                                        "BUFFER_TYPE, e.g. 'blk\\.(1[0-9])\\.ffn_.*_exps=CPU' [-ot]; first "
                                        "match wins, before n_cpu_moe's")

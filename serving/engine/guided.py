@@ -9,7 +9,7 @@ mask. vLLM v1 overlaps its grammar bitmasks with the forward pass for the same r
 Why: inline, a guided greedy token cost a check (15-21 us) and an advance (7-11 us) in the engine on the
 development CPU, and a refused one 200-400 us (a mask, then the best candidates one by one), against a token of
 ~1.15 ms for the embedded model on the H100. There, with the mask computed ahead, sampling under a guide cost
-4-24 us a token more than plain greedy (docs/performance.md, the second H100 run).
+4-24 us a token more than plain greedy (docs/log/2026-12-05-h100-second-run.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ gets that state restored into its slot (`llama_state_seq_set_data`) and prefills
 
 A save is priced before it is made: a state that adds only a few tokens to one already stored is not copied
 when prefilling those tokens on the conversation's return costs less than the copy now (PromptPrices). On an
-H100 (27B-class, 2 slots, six ~1,500-token conversations taking turns, docs/performance.md) a returning turn
+H100 (27B-class, 2 slots, six ~1,500-token conversations taking turns,
+docs/log/2026-12-06-h100-third-fourth-runs.md) a returning turn
 whose slot had to be saved first took 188-222 ms to its first token, one whose slot was saved already 70-89
 ms: the copy costs more than prefilling the ~65 tokens a chat turn adds. On a CPU with a small model the copy
 is cheap and prefill dear, so every state is saved.

@@ -176,7 +176,8 @@ class RequestHandle:
         The reader's loop is woken only when the reader waits for this chunk: always for the last, and for
         any other only while the reader waits for the next chunk. A paced reader sleeping out its interval
         is not woken once per token: each wake is a cross-thread call and a turn of the replica's event loop
-        that, where every core decodes, preempts a decode thread (docs/performance.md). No wake is lost:
+        that, where every core decodes, preempts a decode thread
+        (docs/log/2026-12-04-cpu-http-paced-reader.md). No wake is lost:
         the reader raises `_waiting` before it looks at the queue, and this reads it after queueing.
 
         The loop can close between any check and the call, so the call itself is what is guarded.

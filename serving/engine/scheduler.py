@@ -512,7 +512,8 @@ class Scheduler:
         sits between that prompt and its first token: on an H100 such saves made four new streams' TTFT
         6-11 ms longer with the 135M model (two runs), 31 ms with the 27B-class, and 150-240 ms with
         kv_unified (a unified cache's cells interleave, so llama.cpp copies a state out range by range;
-        docs/performance.md). The most recently used slot is left to that: it is the one a conversation's
+        docs/log/2026-12-06-h100-first-run.md).
+        The most recently used slot is left to that: it is the one a conversation's
         next turn most likely comes back to (no copy needed at all), and an agent's next turn can arrive
         within the copy's time. A slot saved here is not copied again when taken (the cache covers it).
         True when a slot was looked at: call again, after checking for new requests."""

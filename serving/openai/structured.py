@@ -4,8 +4,9 @@ llguidance grammars, enforced with a token mask (serving/engine/llama.py's Sampl
 
 Why llguidance: it computes the whole mask in ~10-40 us (serving/engine/guided.py computes it while the model decodes,
 so sampling pays a bit lookup), where llama.cpp's grammar sampler took ~10-18 us to check one token and 3-5 ms
-for a pass over the vocabulary on every rejected token (the embedded model, this CPU; docs/performance.md,
-"Constrained decoding"). Compiled grammars are cached per text, so one schema sent again is not compiled again.
+for a pass over the vocabulary on every rejected token (the embedded model, this CPU;
+docs/log/2026-12-05-cpu-structured-llguidance.md). Compiled grammars are cached per text, so one schema sent again
+is not compiled again.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from serving.engine.config import EngineConfig
 
 INTERVAL_MS = 50.0  # stream_interval_ms=auto where HTTP work has a core of its own (a GPU, or a spare core)
-CPU_BOUND_INTERVAL_MS = 200.0  # ... and where the decode threads take every core (docs/performance.md)
+# ... and where the decode threads take every core: docs/log/2026-12-04-cpu-http-pacing.md
+CPU_BOUND_INTERVAL_MS = 200.0
 
 
 class IngressMode(str, Enum):
@@ -90,7 +91,8 @@ def stream_interval_ms(setting: float | Literal["auto"], config: EngineConfig, g
     """The interval a replica paces its streams by. `auto` paces harder where the model decodes on the CPU
     with a thread on every core: there every event's Python work (the replica, Serve's hops, the client)
     preempts a decode thread and stalls the others at llama.cpp's barriers: one stream measured 0.86-0.90x
-    of the in-process engine at 50 ms against 0.96-0.97x at 200 ms (paired rounds, docs/performance.md).
+    of the in-process engine at 50 ms against 0.96-0.97x at 200 ms (paired rounds,
+    docs/log/2026-12-04-cpu-http-pacing.md).
     `threads` is the default thread count where the config sets none (else every one of `cpus`)."""
     if setting != "auto":
         return setting
