@@ -1,17 +1,17 @@
-"""scripts/bench_conversations.py's llama-server flags (the measuring itself: run the script)."""
+"""measure/conversations.py's llama-server flags (the measuring itself: run the script)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import script_module
-
-pytestmark = pytest.mark.engine  # the script imports serving.engine.llama (libllama) first, as every script does
+pytestmark = pytest.mark.engine  # the module imports serving.engine.llama (libllama) first, as every script does
 
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201
-    yield from script_module("bench_conversations")
+    from measure import conversations
+
+    return conversations
 
 
 def test_llama_server_gets_its_cache_and_the_repack_setting_ours_runs_with(bench) -> None:  # noqa: ANN001

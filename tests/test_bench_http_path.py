@@ -1,4 +1,5 @@
-"""scripts/bench_http_path.py's variant words (the rest needs a Serve app: run the script)."""
+"""measure/http_path.py (scripts/bench_http_path.py's): its variant words, saved runs' tables and plots (the
+rest needs a Serve app: run the script)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,14 @@ import argparse
 
 import pytest
 
-from tests.helpers import script_module
-
-pytestmark = pytest.mark.engine  # the script imports serving.engine.llama (libllama) first, as every script does
+pytestmark = pytest.mark.engine  # the module imports serving.engine.llama (libllama) first, as every script does
 
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201
-    yield from script_module("bench_http_path")
+    from measure import http_path
+
+    return http_path
 
 
 def test_a_variant_is_a_name_serve_run_words_and_replica_environment(bench) -> None:  # noqa: ANN001

@@ -1,4 +1,4 @@
-"""scripts/bench_workloads.py: its arguments, the paired ratios and tables on made-up figures, and one short
+"""measure/workload_cross.py (scripts/bench_workloads.py's): its arguments, the paired ratios and tables on made-up figures, and one short
 cross run of two configs on the embedded model."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 from measure.replay import Arrivals, Outcome, ReplayFigures, ReplayRequest
 from measure.slo import RequestLatency, Slo
 from serving.engine.config import EngineConfig
-from tests.helpers import script_module
 
 SLO = Slo.parse("ttft_p95=1s,itl_p95=100ms")
 REQUEST = ReplayRequest(prompt_tokens=40, output_tokens=8)
@@ -20,7 +19,9 @@ REQUEST = ReplayRequest(prompt_tokens=40, output_tokens=8)
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201
-    yield from script_module("bench_workloads")  # tables and arguments only: libllama loads where the engine is built
+    from measure import workload_cross  # tables and arguments only: libllama loads where the engine is built
+
+    return workload_cross
 
 
 def made(good: int, failed: int = 0, wall_s: float = 1.0, ttft_s: float = 0.1) -> ReplayFigures:

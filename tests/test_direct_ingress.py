@@ -104,19 +104,15 @@ def test_the_control_routes_answer_for_every_replica(served: tuple[str, str]) ->
 def test_the_benchmark_measures_the_app_under_direct_ingress_on_a_ray_of_its_own() -> None:
     """scripts/bench_http_path.py --direct: the app in a Ray of its own under direct ingress, the engine replica
     taking HTTP itself; what it yields is the API root clients of that port use, and it stops all it started."""
-    from tests.helpers import script_module
+    from measure import http_path as bench
 
-    bench = next(modules := script_module("bench_http_path"))
-    try:
-        variant = bench.Variant.parse("thin:ingress=engine")
-        with bench.direct_app(variant, {"n_parallel": "1", "n_ctx": "512"}, READY_S) as api:
-            models = httpx.get(f"{api}/models", timeout=30)
-            assert models.status_code == 200 and models.json()["data"], models.text
-            body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
-            answer = httpx.post(f"{api}/completions", json=body, timeout=120)
-            assert answer.status_code == 200 and 1 <= answer.json()["usage"]["completion_tokens"] <= 4, answer.text
-            assert answer.json()["choices"][0]["finish_reason"] in ("length", "stop"), answer.text
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(f"{api}/models", timeout=5)  # stopped with the block
-    finally:
-        modules.close()
+    variant = bench.Variant.parse("thin:ingress=engine")
+    with bench.direct_app(variant, {"n_parallel": "1", "n_ctx": "512"}, READY_S) as api:
+        models = httpx.get(f"{api}/models", timeout=30)
+        assert models.status_code == 200 and models.json()["data"], models.text
+        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        answer = httpx.post(f"{api}/completions", json=body, timeout=120)
+        assert answer.status_code == 200 and 1 <= answer.json()["usage"]["completion_tokens"] <= 4, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] in ("length", "stop"), answer.text
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{api}/models", timeout=5)  # stopped with the block
