@@ -1,5 +1,5 @@
-"""measure/workload_cross.py (scripts/bench_workloads.py's): its arguments, the paired ratios and tables on made-up figures, and one short
-cross run of two configs on the embedded model."""
+"""measure/workload_cross.py (scripts/bench_workloads.py's): its arguments, the paired ratios and tables on
+made-up figures, and one short cross run of two configs on the embedded model."""
 
 from __future__ import annotations
 

@@ -71,8 +71,8 @@ def _sys_path_entries(tree: ast.Module) -> list[str]:
     names = _assigned(tree)
     entries = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("insert", "append") and ast.unparse(node.func.value) == "sys.path" and node.args):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args
+                and node.func.attr in ("insert", "append") and ast.unparse(node.func.value) == "sys.path"):
             arg = node.args[-1]
             if isinstance(arg, ast.Call) and _call_name(arg) == "str" and arg.args:
                 arg = arg.args[0]
