@@ -2,6 +2,7 @@
 one of its headings makes (GitHub's rule: lower case, punctuation dropped, spaces to hyphens, repeats
 numbered). Pure file reading."""
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,12 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^()\s]+(?:\([^()\s]*\)[^()\s]*)*)(?:\s+\"[^\
 FENCE = re.compile(r"^\s*(```|~~~)")
 
 
-def pages():
+def pages() -> Iterator[Path]:
     yield ROOT / "README.md"
     yield from sorted((ROOT / "docs").rglob("*.md"))
 
 
-def prose(text, code=False):
+def prose(text: str, code: bool = False) -> Iterator[str]:
     """The page's lines outside fenced code; inline code blanked out unless code."""
     fenced = False
     for line in text.splitlines():
@@ -29,14 +30,15 @@ def prose(text, code=False):
             yield line if code else re.sub(r"`[^`]*`", "", line)
 
 
-def slug(heading):
+def slug(heading: str) -> str:
     text = re.sub(r"<[^>]+>", "", heading.strip().lower())
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
 
 
-def anchors(path):
-    seen, out = {}, set()
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out: set[str] = set()
     for line in prose(path.read_text(encoding="utf-8"), code=True):
         m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if not m:
@@ -48,13 +50,13 @@ def anchors(path):
     return out
 
 
-def links(path):
+def links(path: Path) -> Iterator[str]:
     for line in prose(path.read_text(encoding="utf-8")):
         for m in LINK.finditer(line):
             yield m.group(1)
 
 
-def broken(path):
+def broken(path: Path) -> Iterator[str]:
     for target in links(path):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
             continue  # http:, https:, mailto:
@@ -67,10 +69,11 @@ def broken(path):
 
 
 @pytest.mark.parametrize("page", list(pages()), ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_link_resolves(page):
+def test_every_link_resolves(page: Path) -> None:
     assert list(broken(page)) == []
 
 
-def test_slug_follows_github():
-    assert slug("The HTTP path: Serve's proxy, direct ingress, HAProxy") == "the-http-path-serves-proxy-direct-ingress-haproxy"
+def test_slug_follows_github() -> None:
+    heading = "The HTTP path: Serve's proxy, direct ingress, HAProxy"
+    assert slug(heading) == "the-http-path-serves-proxy-direct-ingress-haproxy"
     assert slug("One K/V buffer for all slots (`kv_unified`)") == "one-kv-buffer-for-all-slots-kv_unified"
