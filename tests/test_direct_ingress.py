@@ -1,4 +1,4 @@
-"""The thin HTTP path (docs/configuration.md, "The HTTP path"): the app as an operator runs it with Serve's direct
+"""The thin HTTP path (docs/configuration.md): the app as an operator runs it with Serve's direct
 ingress, where the ingress replica answers HTTP on a port of its own (no Serve proxy hop, no body RPC back to a
 proxy), with HAProxy in front of it on the app's port, and with the engine replica taking HTTP itself
 (`ingress=engine`: no ingress hop either). Serve takes both switches at `ray start`, cluster-wide,
