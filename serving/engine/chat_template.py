@@ -126,19 +126,19 @@ def _text(content: Any) -> str:
     return "" if content is None else content if isinstance(content, str) else str(content)
 
 
-def chat_template_for(setting: str | None, gguf_source: str | None, bos_token: str, eos_token: str,
+def chat_template_for(model: str, setting: str | None, gguf_source: str | None, bos_token: str, eos_token: str,
                       builtin_names: Sequence[str], format_chat: BuiltinFormatter) -> PromptTemplate:
-    """The template a model is served with: the `chat_template` setting (EngineConfig: a built-in name, or an
+    """The template `model` is served with: the `chat_template` setting (EngineConfig: a built-in name, or an
     absolute path to a Jinja file) over the GGUF's own; ChatML, with a warning, when there is neither.
     EngineError when the setting names no built-in format and no readable file, listing the names."""
     if setting is None:
         if not gguf_source:
-            log.warning("the model carries no chat template (GGUF tokenizer.chat_template) and chat_template is "
-                        "not set: falling back to ChatML (<|im_start|>role ... <|im_end|>); if the model was "
-                        "trained on another format, set chat_template to one of llama.cpp's names (e.g. gemma, "
-                        "llama3) or to a Jinja file")
+            log.warning("%s carries no chat template (GGUF tokenizer.chat_template) and chat_template is not set: "
+                        "falling back to ChatML (<|im_start|>role ... <|im_end|>); if the model was trained on "
+                        "another format, set chat_template to one of llama.cpp's names (e.g. gemma, llama3) or "
+                        "to a Jinja file", model)
         return ChatTemplate(gguf_source, bos_token, eos_token)
-    if not setting.startswith("/"):  # EngineConfig makes a file's path absolute; anything else is a name
+    if not Path(setting).is_absolute():  # EngineConfig makes a file's path absolute; anything else is a name
         if setting not in builtin_names:
             raise EngineError(f"chat_template {setting!r} is not one of llama.cpp's built-in chat templates "
                               f"({', '.join(builtin_names)}); for a Jinja file, give its path")
@@ -147,6 +147,8 @@ def chat_template_for(setting: str | None, gguf_source: str | None, bos_token: s
         source = Path(setting).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise EngineError(f"chat_template {setting}: cannot read the Jinja file ({exc})") from exc
+    if not source.strip():
+        raise EngineError(f"chat_template {setting}: the Jinja file is empty")
     try:
         return ChatTemplate(source, bos_token, eos_token, origin=TemplateOrigin.file)
     except jinja2.TemplateSyntaxError as exc:

@@ -106,6 +106,7 @@ class SplitMode(str, Enum):
 BUFFER_TYPE = re.compile(r"CPU|(CUDA|ROCm|MUSA|SYCL|Vulkan|CANN|OpenCL)\d+|Metal|BLAS")
 # llama-server's --n-cpu-moe: the expert tensors of layer i (common.h: LLM_FFN_EXPS_REGEX)
 EXPERTS_OF_LAYER = r"blk\.{layer}\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+JINJA_SUFFIXES = (".jinja", ".jinja2", ".j2")  # a chat_template that ends so is a file, even without a `/`
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,10 @@ class EngineConfig(BaseModel):
 
     model: Path | None = Field(None, description="GGUF file [-m]; default: the embedded SmolLM2-135M model")
     model_alias: str | None = Field(None, description="name served in /v1/models [--alias]; default: file stem")
+    chat_template: str | None = Field(None, description="the prompt format: a name llama.cpp formats itself, "
+                                      "e.g. gemma, llama3, chatml [--chat-template NAME], or a path to a Jinja "
+                                      "file [--jinja --chat-template-file]; default: the GGUF's own template, "
+                                      "else ChatML")
     n_ctx: int = Field(4096, ge=16, description="total K/V cells over all slots [-c]")
     n_parallel: int = Field(4, ge=1, le=256, description="slots decoded together each step [-np]")
     n_batch: int = Field(2048, ge=1, description="max tokens in one llama_decode call [-b]")
@@ -221,6 +226,27 @@ class EngineConfig(BaseModel):
         if isinstance(value, str) and value:
             return Path(os.path.expanduser(value))
         return value or None
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _template_file_or_name(cls, value: Any) -> Any:
+        """A path (a `/`, `~` or a Jinja suffix in it) becomes absolute, as replicas run in other directories,
+        and must name a file; anything else is a name, checked against llama.cpp's list when the model loads
+        (this module loads no libllama)."""
+        if isinstance(value, Path):
+            value = str(value)
+        if not isinstance(value, str):
+            return value  # None, or a wrong type for pydantic to refuse
+        value = value.strip()
+        if not value:
+            return None
+        if not any(mark in value for mark in ("/", os.sep, "~")) and not value.endswith(JINJA_SUFFIXES):
+            return value
+        path = Path(value).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"chat_template {value!r}: no such file (a Jinja chat template); a llama.cpp "
+                             "built-in template is a bare name, e.g. gemma")
+        return str(path)
 
     @field_validator("flash_attn", "cpu_repack", mode="before")
     @classmethod

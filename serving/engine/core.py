@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 # first: loads ray, then libllama (see serving/engine/llama.py)
-from serving.engine.llama import LlamaContext, LlamaModel, Placement, check_draft_vocabulary
+from serving.engine.llama import (LlamaContext, LlamaModel, Placement, builtin_chat_templates,
+                                  check_draft_vocabulary, format_builtin_chat)
 
 import numpy as np  # noqa: E402
 
-from serving.engine.chat_template import ChatTemplate  # noqa: E402
+from serving.engine.chat_template import PromptTemplate, chat_template_for  # noqa: E402
 from serving.engine.config import EngineConfig, default_threads  # noqa: E402
 from serving.engine.errors import EngineError, EngineStoppedError, PromptTooLongError, QueueFullError  # noqa: E402
 from serving.engine.output import OutputProcessor  # noqa: E402
@@ -111,7 +112,11 @@ class Engine:
         self.weight_load_s = 0.0
         self._model_lock = threading.Lock()  # guards self._model against a swap while a caller tokenises
         self._model: LlamaModel | None = self._load_model(config)
-        self._template = self._chat_template(self._model)
+        try:
+            self._template = self._chat_template(self._model, config)
+        except EngineError:
+            self._model.free()
+            raise
         self._ctx = LlamaContext(self._model, config, default_threads())
         self._draft_model: LlamaModel | None = None  # spec_mode draft: the draft model's weights ...
         self._draft_loaded: EngineConfig | None = None  # ... loaded for this draft config
@@ -169,11 +174,11 @@ class Engine:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     template_kwargs: dict[str, Any] | None = None) -> str:
-        """Render chat messages with the model's own template (from the GGUF metadata)."""
+        """Render chat messages with the model's template (the `chat_template` setting's, else the GGUF's own)."""
         return self._template.render(messages, tools=tools, template_kwargs=template_kwargs)
 
     @property
-    def chat_template(self) -> ChatTemplate:
+    def chat_template(self) -> PromptTemplate:
         return self._template
 
     def detokenize(self, tokens: list[int]) -> str:
@@ -525,8 +530,12 @@ class Engine:
         return model
 
     @staticmethod
-    def _chat_template(model: LlamaModel) -> ChatTemplate:
-        return ChatTemplate(model.metadata("tokenizer.chat_template"), model.bos_text, model.eos_text)
+    def _chat_template(model: LlamaModel, config: EngineConfig) -> PromptTemplate:
+        """The prompt format `config` asks for on `model`; EngineError for a setting that names none."""
+        template = chat_template_for(model.path.name, config.chat_template, model.metadata("tokenizer.chat_template"),
+                                     model.bos_text, model.eos_text, builtin_chat_templates(), format_builtin_chat)
+        log.info("chat template of %s: %s %s", model.path.name, template.origin.value, config.chat_template or "")
+        return template
 
     def _rebuild(self, config: EngineConfig) -> None:
         """Swap in a context (and, if the model changes, weights) for `config`; on failure put the old
@@ -556,6 +565,8 @@ class Engine:
         model = self._load_model(config) if load_weights else self._model
         assert model is not None
         try:
+            template = (self._chat_template(model, config)
+                        if load_weights or config.chat_template != self.config.chat_template else self._template)
             ctx = LlamaContext(model, config, default_threads())
         except EngineError:
             if load_weights:
@@ -571,8 +582,8 @@ class Engine:
         if load_weights:
             with self._model_lock:
                 self._model = model
-            self._template = self._chat_template(model)
             self._outputs.rebind(model.token_bytes)
+        self._template = template
         self._ctx, self.config, self._n_ctx_slot = ctx, config, ctx.n_ctx_seq
         self.fingerprint = config.fingerprint()
         self._draft_ctx = draft_ctx
