@@ -218,3 +218,17 @@ def test_an_unknown_name_stops_the_engine_at_start_naming_the_valid_ones(gemma: 
     with pytest.raises(EngineError, match=r"'gema' is not one of llama.cpp's built-in chat templates \(.*gemma.*\)"):
         Engine(EngineConfig(model=gemma, chat_template="gema", n_ctx=256, n_parallel=1))
 
+
+
+@pytest.mark.engine
+def test_a_reconfigure_swaps_the_template_without_reloading_weights(gemma_engine: Engine) -> None:
+    config = gemma_engine.config
+    loads = gemma_engine.weight_loads
+    try:
+        gemma_engine.reconfigure(config.model_copy(update={"chat_template": "chatml"}), timeout=60)
+        assert gemma_engine.render_chat([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user\nhi")
+        assert gemma_engine.fingerprint != config.fingerprint()  # an answer names the format it came from
+    finally:
+        gemma_engine.reconfigure(config, timeout=60)
+    assert gemma_engine.render_chat([{"role": "user", "content": "hi"}]).startswith("<start_of_turn>user\nhi")
+    assert gemma_engine.weight_loads == loads
