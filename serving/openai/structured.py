@@ -105,10 +105,12 @@ def closed(schema: Any) -> Any:
 
 @dataclass(frozen=True)
 class Bounds:
-    """Length bounds given to the strings and arrays of a schema that set none (see `bounded`)."""
+    """Bounds given to the strings, arrays and numbers of a schema that set none (see `bounded`)."""
 
     string: int  # characters
     items: int
+    magnitude: int = 10**15 - 1  # integers and numbers: |value| <= this (15 digits, exact in a double and in JS)
+    decimals: int = 6  # numbers: digits after the point (multipleOf 10^-6: money, coordinates to 0.1 m, shares)
 
 
 CALL_BOUNDS = Bounds(string=256, items=32)  # a forced call's arguments: names, cities, queries
@@ -119,12 +121,14 @@ _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitio
 
 
 def bounded(schema: Any, bounds: Bounds) -> Any:
-    """The schema with a length bound on every string and array that has none; a bound the schema sets is
-    kept (and a default never undercuts its minLength / minItems).
+    """The schema with a length bound on every string and array that has none, and a range (and, for a number,
+    a precision) on every integer and number that has none; a bound the schema sets is kept (and a default
+    never undercuts its minLength / minItems / minimum).
 
     A constrained answer must end: a sampled string can otherwise run on until max_tokens and leave the
-    JSON unfinished, which a small model does (greedy, it repeats itself inside a string). Bounded, an
-    answer whose schema is all bounded closes on its own, within max_tokens when they allow its size.
+    JSON unfinished, which a small model does (greedy, it repeats itself inside a string), and so can a
+    number's digits (`2000000000000...`). Bounded, an answer whose schema is all bounded closes on its own,
+    within max_tokens when they allow its size.
     """
     def bound(out: dict[str, Any]) -> dict[str, Any]:
         kind = out.get("type")
@@ -133,9 +137,37 @@ def bounded(schema: Any, bounds: Bounds) -> Any:
             out["maxLength"] = max(bounds.string, _int(out.get("minLength")))
         if "array" in kinds and "maxItems" not in out:
             out["maxItems"] = max(bounds.items, _int(out.get("minItems")))
+        if {"integer", "number"} & set(kinds) and not {"enum", "const"} & out.keys():
+            out.update(_number_bounds(out, bounds, decimals="number" in kinds))
         return out
 
     return _each_schema(schema, bound)
+
+
+def _number_bounds(schema: dict[str, Any], bounds: Bounds, decimals: bool) -> dict[str, Any]:
+    """The keywords that make a number's text end (llguidance turns them into a finite pattern): a range where
+    the schema sets no end of it (past the schema's own other end when that lies beyond the default), and for a
+    number that is not an integer a multipleOf of 10^-decimals (digits after the point), unless it sets one.
+    A bounded number has no exponent in llguidance's grammar."""
+    low = _number(schema, "minimum", "exclusiveMinimum")
+    high = _number(schema, "maximum", "exclusiveMaximum")
+    added: dict[str, Any] = {}
+    if high is None:
+        added["maximum"] = bounds.magnitude if low is None or low < bounds.magnitude else low + bounds.magnitude
+    if low is None:
+        added["minimum"] = -bounds.magnitude if high is None or high > -bounds.magnitude else high - bounds.magnitude
+    if decimals and "multipleOf" not in schema:
+        added["multipleOf"] = 10.0 ** -bounds.decimals
+    return added
+
+
+def _number(schema: dict[str, Any], *keys: str) -> int | float | None:
+    """The first of `keys` the schema gives as a number (draft 4's boolean exclusiveMinimum is none)."""
+    for key in keys:
+        value = schema.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def _each_schema(schema: Any, change: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
