@@ -30,6 +30,7 @@ from serving.engine.traffic import TrafficSummary
 from serving.front.http import HttpRules
 from serving.front.ingress import HealthReport
 from serving.front.relay import RelayedPart, RelayedRequest, run_relayed
+from serving.openai.anthropic_routes import MessagesRoutes
 from serving.openai.routes import OpenAIRoutes, build_api
 from serving.replica.control import DEPLOYMENT_NAME
 from serving.replica.control_routes import ControlRoutes, gather_traffic
@@ -75,7 +76,8 @@ class LlamaServer:
         self.build_info = f"llama-cpp-python {_llama.BINDINGS_VERSION}"
         self._relays = 0  # requests in flight here (relayed, or HTTP with ingress=engine): their streams share the pace
         self._peers: DeploymentHandle | None = None  # this deployment's handle, for /traffic (made on first use)
-        self.api: FastAPI = build_api(OpenAIRoutes(self).router(), ControlRoutes(self).router())
+        self.api: FastAPI = build_api(OpenAIRoutes(self).router(), MessagesRoutes(self).router(),
+                                      ControlRoutes(self).router())
 
     # -- Serve's hooks -------------------------------------------------------------------------------
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -189,29 +191,22 @@ class LlamaServer:
         return self._peers
 
 
-def _composed_app() -> ASGIApp:
-    """What Serve's ingress wrapper holds for EngineAsIngress. Nothing is served through it: the wrapper wants an
-    app when it is made, and the replica's own app is composed in its __init__, which `__call__` serves."""
-    return FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-
-
-class _EngineAsIngress(serve.ingress(_composed_app)(LlamaServer)):  # type: ignore[misc]
+class _EngineAsIngress(LlamaServer):
     """An engine replica that takes HTTP itself (`ingress=engine`): the app's rules around its own app, as the
-    ingress holds them otherwise; its requests in flight share the stream pace, as relayed ones do. (Serve
-    allows no `__call__` on a class it makes an ingress of: this subclass of that ingress adds it.)"""
+    ingress holds them otherwise; its requests in flight share the stream pace, as relayed ones do. Serve asks
+    for the app once the replica is made (`serve.ingress()` without an app: the app is late-bound)."""
 
-    def __init__(self, options: dict[str, Any], channel: DeploymentHandle) -> None:
-        super().__init__(options, channel)
-        self._front = HttpRules(self._options.api_key, tuple(self._options.cors_origins)).around(self.api)
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        return HttpRules(self._options.api_key, tuple(self._options.cors_origins)).around(self._counted)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._relays += 1
         try:
-            await self._front(scope, receive, send)
+            await self.api(scope, receive, send)
         finally:
             self._relays -= 1
 
 
 ENGINE_REPLICA = serve.deployment(name=DEPLOYMENT_NAME, health_check_period_s=HEALTH_CHECK_PERIOD_S)(LlamaServer)
-ENGINE_AS_INGRESS = serve.deployment(name=DEPLOYMENT_NAME,
-                                     health_check_period_s=HEALTH_CHECK_PERIOD_S)(_EngineAsIngress)
+ENGINE_AS_INGRESS = serve.deployment(name=DEPLOYMENT_NAME, health_check_period_s=HEALTH_CHECK_PERIOD_S)(
+    serve.ingress()(_EngineAsIngress))
