@@ -110,3 +110,19 @@ def test_serve_help_is_serve_runs() -> None:
     helped = subprocess.run([str(COMMAND), "serve", "--help"], capture_output=True, text=True, timeout=120,
                             check=True)
     assert "run [OPTIONS] CONFIG_OR_IMPORT_PATH" in helped.stdout
+
+
+@pytest.mark.unit
+def test_the_command_imports_none_of_the_projects_packages() -> None:
+    """It exec's them instead (docs/layout.md): loading them would load Ray or llama.cpp for a --version."""
+    import ast
+
+    package = Path(__file__).resolve().parents[1] / "llama_serve_tune"
+    imported = set()
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.split(".")[0])
+    assert imported and not imported & {"serving", "tuning", "measure", "ray", "llama_cpp"}, sorted(imported)
