@@ -5,7 +5,7 @@ A figure on a lent GPU is only worth the device time when it can be judged, so O
 measures side by side: the device's copy bandwidth, hence the single-stream decode roofline (bandwidth /
 bytes read per token, from the GGUF header); llama-server with the flags that mean the same as our config;
 our engine in-process (in a child process: measure/isolated.py); our Serve app over HTTP; and device memory
-(GPU: NVML 'used' minus the idle baseline at start; CPU: the process's RSS) next to tuning.memory's
+(GPU: NVML 'used' minus the idle baseline at start; CPU: the process's RSS) next to serving.engine.memory's
 prediction, and the host memory (RSS) of the engine's process next to the prediction of what stays in host
 memory. Every target runs measure/'s workload (the tuner's) at 1 and 4 streams. One engine holds the
 model at a time, so memory readings are clean and a 15 GB model never sits on the device twice. Every phase
@@ -60,7 +60,7 @@ from measure.provenance import provenance  # noqa: E402
 from measure.targets import llama_server, llama_server_flags, llama_server_version  # noqa: E402
 from measure.workload import Runner, Workload  # noqa: E402
 from serving.engine.config import EngineConfig, embedded_model_path, load_engine_config  # noqa: E402
-from tuning.memory import MiB, ModelShape, parse_bytes, predict  # noqa: E402
+from serving.engine.memory import MiB, ModelShape, parse_bytes, predict  # noqa: E402
 
 SINGLE, MULTI = 1, 4
 FIT = "llama-server --fit"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The memory model (tuning/memory.py) term by term against what llama.cpp says it allocated, on this machine.
+"""The memory model (serving/engine/memory.py) term by term against what llama.cpp says it allocated, on this machine.
 
 Why: the tuner refuses a config predicted over the budget without loading it, so the prediction decides which
 placements are tried at all; a term that over-predicts leaves layers off the GPU, one that under-predicts lets
@@ -35,7 +35,7 @@ from measure.provenance import provenance, write_report  # noqa: E402
 from serving.engine.buffers import llama_buffers  # noqa: E402
 from serving.engine.config import CpuRepack, EngineConfig, FlashAttn, embedded_model_path  # noqa: E402
 from serving.engine.core import Engine  # noqa: E402
-from tuning.memory import MiB, ModelShape, predict  # noqa: E402
+from serving.engine.memory import MiB, ModelShape, predict  # noqa: E402
 
 DEFAULT_CONFIGS = ("32/1/2048/on", "128/1/2048/on", "512/1/2048/on", "512/2/2048/on", "256/1/8192/on",
                    "512/4/4096/off", "1024/1/16384/on", "128/1/2048/off", "512/1/8192/off")

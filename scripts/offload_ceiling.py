@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from tuning.memory import parse_bytes  # noqa: E402
+from serving.engine.memory import parse_bytes  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from serving.engine.config import EXPERTS_OF_LAYER, EngineConfig, SplitMode, TensorOverride
 from tests.helpers import script_module
-from tuning.memory import ModelShape
+from serving.engine.memory import ModelShape
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_llama_server_gets_the_same_placement_flags() -> None:
 # -- the memory model --------------------------------------------------------------------------------
 @pytest.mark.engine  # writes a GGUF (numpy) and reads its header
 def test_the_memory_model_places_experts_layers_and_kv_as_llama_cpp_does(tiny_moe: Path) -> None:
-    from tuning.memory import ModelShape, kv_cache_bytes, place_weights, predict
+    from serving.engine.memory import ModelShape, kv_cache_bytes, place_weights, predict
 
     shape = ModelShape.from_gguf(tiny_moe)
     sizes = dict(shape.tensors)
@@ -140,7 +140,7 @@ def test_placement_is_set_only_when_the_budget_needs_it_and_fills_what_the_rest_
     """Placement appears only when the smallest config does not fit; each point's placement is then the most of
     the model that fits beside its other settings (fewer experts moved with a smaller cache), never drawn."""
     from tuning.fit import ExpertEnd, fewest_expert_layers, most_layers
-    from tuning.memory import ModelShape, predict
+    from serving.engine.memory import ModelShape, predict
     from tuning.search import cheapest_config, placement_search
     from tuning.space import PlacementFit, PlacementKnob, PlacementSearch, SearchSpace, suggest, to_engine_config
 
@@ -204,7 +204,7 @@ def test_placement_is_set_only_when_the_budget_needs_it_and_fills_what_the_rest_
 
 @pytest.mark.engine
 def test_a_config_over_the_ram_budget_is_refused_before_it_loads(tiny_moe: Path) -> None:
-    from tuning.memory import ModelShape, predict
+    from serving.engine.memory import ModelShape, predict
     from tuning.trial import ConfigTrial, TrialSettings
 
     shape = ModelShape.from_gguf(tiny_moe)
@@ -253,7 +253,7 @@ def test_a_buffer_type_this_build_lacks_is_refused_with_the_ones_it_has(tiny_moe
 @pytest.mark.engine
 def test_what_fits_a_budget_is_the_most_layers_and_the_fewest_experts_moved(tiny_moe: Path) -> None:
     from tuning.fit import ExpertEnd, fewest_expert_layers, most_layers
-    from tuning.memory import ModelShape, predict
+    from serving.engine.memory import ModelShape, predict
 
     shape = ModelShape.from_gguf(tiny_moe)
     config = EngineConfig(model=tiny_moe, n_parallel=1, n_ctx=1024)
@@ -321,7 +321,7 @@ def test_the_gpu_prediction_covers_what_recorded_runs_held_after_serving(synthet
     this keeps a later change of the model from drifting away from them."""
     import json
 
-    from tuning.memory import predict
+    from serving.engine.memory import predict
 
     shape = _preset_shape(synthetic, preset)
     report = json.loads((Path(__file__).resolve().parent.parent / "docs" / "results" / result).read_text())
@@ -347,7 +347,7 @@ def test_the_gpu_prediction_is_near_what_tuner_trials_held_after_loading(synthet
     a layer's K/V into the compute buffer (0.57 GiB over the prediction before that term)."""
     import json
 
-    from tuning.memory import predict
+    from serving.engine.memory import predict
 
     shape = _preset_shape(synthetic, "qwen27b")
     results = Path(__file__).resolve().parent.parent / "docs" / "results" / "h100_2026-12-05d"

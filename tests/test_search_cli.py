@@ -174,7 +174,7 @@ def test_the_pick_line_carries_the_confirmed_paired_ratios() -> None:
 
 def test_in_place_the_served_config_joins_the_confirmation_and_the_line_says_when_it_stays() -> None:
     from serving.engine.config import embedded_model_path
-    from tuning.memory import ModelShape, predict
+    from serving.engine.memory import ModelShape, predict
 
     settings = SimpleNamespace(shape=ModelShape.from_gguf(embedded_model_path()), on_gpu=False)
     pick = Candidate(7, "pick", EngineConfig(n_parallel=2))

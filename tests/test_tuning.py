@@ -17,7 +17,7 @@ import yaml
 
 from serving.engine.config import (CacheType, CpuRepack, EngineConfig, FlashAttn, SpecMode, embedded_model_path,
                             load_engine_config)
-from tuning.memory import GPU_PROCESS_HOST_OVERHEAD, GiB, MiB, ModelShape, kv_cache_bytes, parse_bytes, predict
+from serving.engine.memory import GPU_PROCESS_HOST_OVERHEAD, GiB, MiB, ModelShape, kv_cache_bytes, parse_bytes, predict
 from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
 from tuning.results import TrialResult
 from tuning.space import SearchSpace, suggest, to_engine_config
@@ -541,7 +541,7 @@ def test_measured_engine_memory_is_near_the_prediction(shape: ModelShape) -> Non
 @pytest.mark.engine
 def test_a_config_already_measured_is_answered_without_measuring_again() -> None:
     """Two parameter sets that make the same engine (n_ubatch above n_batch is clamped) cost one measurement."""
-    from tuning.memory import ModelShape
+    from serving.engine.memory import ModelShape
     from tuning.objective import Workload
     from tuning.results import Measurement, MeasuredRun
     from tuning.trial import EngineTrial, TrialSettings

@@ -1,4 +1,4 @@
-"""What fits a VRAM budget, predicted from the GGUF header alone (tuning/memory.py): the most layers on the GPU,
+"""What fits a VRAM budget, predicted from the GGUF header alone (serving/engine/memory.py): the most layers on the GPU,
 and for a mixture of experts the fewest layers whose experts must move to host memory. The starting points of a
 placement search, and the naive answer it is measured against.
 
@@ -17,7 +17,7 @@ from enum import Enum
 from pathlib import Path
 
 from serving.engine.config import EngineConfig, load_engine_config
-from tuning.memory import ModelShape, parse_bytes, predict
+from serving.engine.memory import ModelShape, parse_bytes, predict
 
 ARTICLE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "article.yaml"
 

@@ -28,7 +28,7 @@ os.environ.setdefault("TUNE_DISABLE_SIGINT_HANDLER", "1")  # Ctrl-C reaches main
 from measure.workload import Workload  # noqa: E402
 from serving.engine.config import (CacheType, EngineConfig, FlashAttn, SpecMode, default_threads,  # noqa: E402
                             load_engine_config)
-from tuning.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
+from serving.engine.memory import GiB, ModelShape, parse_bytes, predict  # noqa: E402
 from tuning.options import REPO_ROOT, DeviceChoice, Sampler, SearchOptions, Where, parse_options  # noqa: E402
 from tuning.confirm import Candidate, Verdict  # noqa: E402
 from tuning.gpus import TrialSlots, free_gpu_places  # noqa: E402

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from serving.engine.config import CacheType, EngineConfig, FlashAttn, SpecMode
 from tuning.fit import ExpertEnd, expert_placement, fewest_expert_layers, most_layers
-from tuning.memory import ModelShape
+from serving.engine.memory import ModelShape
 
 DEFAULT_SPACE_FILE = Path(__file__).resolve().parent.parent / "configs" / "search_space.yaml"
 
@@ -123,7 +123,7 @@ class PlacementKnob(str, Enum):
 @dataclass(frozen=True)
 class PlacementFit:
     """A point's placement, derived from its other settings: the most of the model on the GPU that the memory
-    model (tuning/memory.py) predicts within the budget, given the point's context, slots, K/V types and batch
+    model (serving/engine/memory.py) predicts within the budget, given the point's context, slots, K/V types and batch
     (its compute buffers). Not drawn: decode reads every weight once per token, from host memory far slower
     than from the GPU's, so less on the GPU is never faster, and a drawn placement wastes trials on the slow
     end or on configs that do not fit. What the search trades is the rest against room for weights (a q8_0

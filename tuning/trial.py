@@ -21,7 +21,7 @@ from serving.engine.buffers import llama_buffers
 from serving.engine.config import EngineConfig
 from serving.engine.core import Engine, EngineError
 from tuning.device import DeviceProbe
-from tuning.memory import ModelShape, predict
+from serving.engine.memory import ModelShape, predict
 from tuning.objective import Runner, SpeedMeasure, Workload, measure_engine
 from tuning.results import MeasuredRun, SpeedFigures, TrialResult
 from tuning.space import to_engine_config

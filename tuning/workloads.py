@@ -19,7 +19,7 @@ from measure.replay import Arrivals, Builtin, Replayer, TrafficWorkload, builtin
 from measure.slo import Slo
 from measure.targets import EngineTarget
 from measure.workload import source_text
-from tuning.memory import ModelShape
+from serving.engine.memory import ModelShape
 from tuning.options import BENCHMARK, LIVE, LIVE_MIN_REQUESTS, SearchOptions
 from tuning.results import TrafficFigures
 

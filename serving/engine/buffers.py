@@ -2,7 +2,7 @@
 the weights (`model`, per buffer type: CPU_Mapped, CPU_REPACK, AMX, CUDA0, ...), the K/V cache (`KV`), the
 compute buffers (`compute`) and the logits (`output`).
 
-The memory model (tuning/memory.py) predicts these terms from the GGUF header; this is what they came to, so a
+The memory model (serving/engine/memory.py) predicts these terms from the GGUF header; this is what they came to, so a
 placement whose VRAM differs from its prediction says which term was off. It reads Python logging
 (serving/engine/llama.py routes llama.cpp's log to the "llama.cpp" logger), so importing it loads no libllama.
 """
