@@ -32,6 +32,7 @@ from serving.engine import llama as _llama  # noqa: F401  (load order: ray befor
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
+from serving.engine.chat_template import check_name
 from serving.engine.config import EngineConfig, load_engine_config
 from serving.front.http import HttpRules
 from serving.front.ingress import OpenAIIngress
@@ -196,5 +197,6 @@ def main(args: AppArgs) -> serve.Application:
     Loads configs/tuned.yaml when the tuner has written one, else configs/default.yaml.
     """
     args = AppArgs.model_validate(args)
+    check_name(args.engine.chat_template, _llama.builtin_chat_templates())  # a wrong name fails here, not in a replica
     log.info("serving %s with %s (from %s)", args.engine.model_path, args.engine, args.config)
     return build_app(args.engine, args.server)

@@ -232,3 +232,13 @@ def test_a_reconfigure_swaps_the_template_without_reloading_weights(gemma_engine
         gemma_engine.reconfigure(config, timeout=60)
     assert gemma_engine.render_chat([{"role": "user", "content": "hi"}]).startswith("<start_of_turn>user\nhi")
     assert gemma_engine.weight_loads == loads
+
+
+@pytest.mark.engine  # the app's module loads Ray's libraries and libllama; nothing is deployed
+def test_serve_run_with_an_unknown_name_fails_before_deploying_naming_the_valid_ones() -> None:
+    """`serve run serving.app:main chat_template=gema`: the builder refuses it at once, not a replica later."""
+    from serving.app import main
+    from serving.engine.errors import EngineError
+
+    with pytest.raises(EngineError, match=r"'gema' is not one of llama.cpp's built-in chat templates \(.*gemma"):
+        main({"chat_template": "gema"})

@@ -126,6 +126,14 @@ def _text(content: Any) -> str:
     return "" if content is None else content if isinstance(content, str) else str(content)
 
 
+def check_name(setting: str | None, builtin_names: Sequence[str]) -> None:
+    """EngineError listing llama.cpp's names when `setting` (EngineConfig's chat_template) is a name that is not
+    one of them: the app's builder asks before it deploys anything, the engine again when it loads."""
+    if setting is not None and not Path(setting).is_absolute() and setting not in builtin_names:
+        raise EngineError(f"chat_template {setting!r} is not one of llama.cpp's built-in chat templates "
+                          f"({', '.join(builtin_names)}); for a Jinja file, give its path")
+
+
 def chat_template_for(model: str, setting: str | None, gguf_source: str | None, bos_token: str, eos_token: str,
                       builtin_names: Sequence[str], format_chat: BuiltinFormatter) -> PromptTemplate:
     """The template `model` is served with: the `chat_template` setting (EngineConfig: a built-in name, or an
@@ -139,9 +147,7 @@ def chat_template_for(model: str, setting: str | None, gguf_source: str | None, 
                         "to a Jinja file", model)
         return ChatTemplate(gguf_source, bos_token, eos_token)
     if not Path(setting).is_absolute():  # EngineConfig makes a file's path absolute; anything else is a name
-        if setting not in builtin_names:
-            raise EngineError(f"chat_template {setting!r} is not one of llama.cpp's built-in chat templates "
-                              f"({', '.join(builtin_names)}); for a Jinja file, give its path")
+        check_name(setting, builtin_names)
         return BuiltinChatTemplate(setting, format_chat)
     try:
         source = Path(setting).read_text(encoding="utf-8")
