@@ -26,7 +26,8 @@ def _loaded_after(module: str) -> set[str]:
 
 @pytest.mark.parametrize("module", ["serving.front.http", "serving.front.ingress", "serving.front.relay",
                                     "serving.front.errors", "serving.openai.requests", "serving.openai.errors",
-                                    "serving.openai.slot_files", "serving.engine.prompt_cache",
+                                    "serving.openai.slot_files", "serving.openai.anthropic_requests",
+                                    "serving.openai.anthropic_responses", "serving.engine.prompt_cache",
                                     "serving.engine.buffers"])
 def test_the_rooms_without_a_model_load_no_libllama(module: str) -> None:
     """The ingress holds no model: importing it (or the HTTP room, the request shapes, the relay) must not

@@ -1,15 +1,45 @@
 """OpenAI's error JSON: the one error a client of any route sees, raised anywhere in front of the engine or
 in the OpenAI layer and written by `serving.front.http.error_response`. Pure data: no Ray, no libllama.
 
+Anthropic's Messages API (/v1/messages...) writes the same errors in its own shape (`anthropic_body`): its
+clients (the anthropic SDK, Claude Code) read `{"type": "error", "error": {"type", "message"}}`, and the
+front door's refusals (401, 413) reach them before any route, so the writer picks the shape by path.
+
 Validation errors from pydantic/FastAPI become one 400 naming one bad parameter; a server bug becomes a 500
 that names only the request id its log line carries.
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel
+
+ANTHROPIC_PATH = "/v1/messages"  # Anthropic's Messages API, and every path under it (count_tokens)
+
+
+class ErrorDialect(str, Enum):
+    """Which API's error JSON a path's clients read."""
+
+    openai = "openai"
+    anthropic = "anthropic"
+
+    @classmethod
+    def of(cls, path: str) -> ErrorDialect:
+        """Anthropic's shape on /v1/messages and below; OpenAI's everywhere else."""
+        anthropic = path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+        return cls.anthropic if anthropic else cls.openai
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error type for an HTTP status (its clients pick their exception by the status)."""
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
 class APIError(Exception):
@@ -26,6 +56,13 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
                           **self.details}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error JSON: its type follows the status; the message says the rest (the parameter)."""
+        return {"type": "error", "error": {"type": anthropic_error_type(self.status), "message": self.message}}
+
+    def body_in(self, dialect: ErrorDialect) -> dict[str, Any]:
+        return self.anthropic_body() if dialect is ErrorDialect.anthropic else self.body()
 
 
 class ErrorDetail(BaseModel):

@@ -28,7 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.front.errors import APIError, internal_error
+from serving.front.errors import APIError, ErrorDialect, internal_error
 
 log = logging.getLogger("serving")
 
@@ -47,8 +47,10 @@ class SafeJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return SafeJSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """`err` as JSON in the error shape the clients of `path` read (ErrorDialect: Anthropic's under
+    /v1/messages, else OpenAI's)."""
+    return SafeJSONResponse(err.body_in(ErrorDialect.of(path)), status_code=err.status, headers=err.headers)
 
 
 def request_id(headers: Headers) -> str:
@@ -210,18 +212,18 @@ class GuardMiddleware:
         try:
             refusal = refusal_of(scope, self.key)
             if refusal is not None:
-                await error_response(refusal)(scope, receive, send)
+                await error_response(refusal, route_path(scope))(scope, receive, send)
                 return
             await self.app(scope, limited_receive, tracking_send)
         except StarletteHTTPException as exc:  # from limited_receive, in an app with no handler for it
             if not started:
                 err = too_large() if exc.status_code == 413 else APIError(exc.status_code, str(exc.detail))
-                await error_response(err)(scope, receive, send)
+                await error_response(err, route_path(scope))(scope, receive, send)
         except Exception:
             rid = request_id(Headers(scope=scope))
             log.exception("unhandled error on %s %s (request id %s)", scope.get("method"), scope.get("path"), rid)
             if not started:  # else the response is under way and can only be cut
-                await error_response(internal_error(rid))(scope, receive, send)
+                await error_response(internal_error(rid), route_path(scope))(scope, receive, send)
 
 
 class AsgiAnswer(Response):

@@ -25,8 +25,8 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.front.errors import APIError, internal_error
-from serving.front.http import DONE, error_response, responses_error
+from serving.front.errors import APIError, ErrorDialect, internal_error
+from serving.front.http import DONE, error_response, responses_error, route_path
 
 log = logging.getLogger("serving")
 
@@ -196,16 +196,20 @@ class RelayResponse(Response):
             err = relay_error(exc, self._rid)
             if err.code == REPLICA_LOST:
                 self._on_lost()
+            path = route_path(scope)
             if not started:
-                await error_response(err)(scope, receive, send)
+                await error_response(err, path)(scope, receive, send)
             else:
-                tail = self._error_event(err) if streaming else b""
+                tail = self._error_event(err, path) if streaming else b""
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
 
-    def _error_event(self, err: APIError) -> bytes:
-        """The end of a cut stream, as the route would have ended it (serving/openai/routes.py)."""
+    def _error_event(self, err: APIError, path: str) -> bytes:
+        """The end of a cut stream, as the route would have ended it (serving/openai/routes.py,
+        serving/openai/anthropic_routes.py)."""
         if self._path.endswith(RESPONSES_PATH):  # the Responses API: a typed error event, no [DONE]
             return f"event: error\ndata: {json.dumps({'type': 'error', **responses_error(err)})}\n\n".encode()
+        if ErrorDialect.of(path) is ErrorDialect.anthropic:  # Anthropic's `error` event, no [DONE]
+            return f"event: error\ndata: {json.dumps(err.anthropic_body())}\n\n".encode()
         return f"data: {json.dumps(err.body())}\n\n{DONE}".encode()
 
 

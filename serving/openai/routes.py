@@ -37,7 +37,8 @@ from serving.openai.reasoning import ReasoningFormat
 from serving.engine.request import (Constraint, FinishReason, GenerationChunk, RequestHandle, SamplingParams, Usage,
                                     paced, unpaced)
 from serving.openai.responses import ChatResponse, ChoiceState, CompletionResponse, ResponsesAnswer, total_usage
-from serving.front.http import DONE, GuardMiddleware, error_response, mark_submitted, request_id, responses_error
+from serving.front.http import (DONE, GuardMiddleware, error_response, mark_submitted, request_id, responses_error,
+                                route_path)
 from serving.openai.structured import GrammarError, constraint_of, tool_call_guide
 from serving.openai.tools import CallMode, messages_for_plain_template
 from serving.engine.traffic import TrafficTag
@@ -69,32 +70,33 @@ class _App(FastAPI):
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return error_response(exc)
+    return error_response(exc, route_path(request.scope))
 
 
-async def _invalid(_: Request, exc: Exception) -> JSONResponse:
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return error_response(validation_error(list(exc.errors())))
+    return error_response(validation_error(list(exc.errors())), route_path(request.scope))
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     return error_response(APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code),
-                                   headers=dict(exc.headers) if exc.headers else None))
+                                   headers=dict(exc.headers) if exc.headers else None), route_path(request.scope))
 
 
-async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
+async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, EngineUnavailableError)
-    return error_response(unavailable(exc))
+    return error_response(unavailable(exc), route_path(request.scope))
 
 
 def build_api(*routers: APIRouter) -> FastAPI:
     """The app factory: one FastAPI app per replica with OpenAI's error JSON for every error (the client's
-    400s, FastAPI's 404/405, the host's 503s) and the catch-all and body limit (GuardMiddleware) around
-    `routers`. The API key and CORS are the ingress's (serving/front/ingress.py), bound when the app is built:
-    this app is reached only through it, or through the same rules with `ingress=engine`."""
+    400s, FastAPI's 404/405, the host's 503s; Anthropic's shape under /v1/messages) and the catch-all and
+    body limit (GuardMiddleware) around `routers`. The API key and CORS are the ingress's
+    (serving/front/ingress.py), bound when the app is built: this app is reached only through it, or through
+    the same rules with `ingress=engine`."""
     app = _App(title="llama-serve-tune", description="OpenAI-compatible llama.cpp serving")
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
@@ -234,7 +236,8 @@ async def sse_events(job: Job, include_usage: bool, metrics: RequestRecorder, ri
 class RouteHost(Protocol):
     """What the routes need of the replica that serves them (serving/replica/server.py's LlamaServer)."""
 
-    metrics: RequestRecorder
+    @property
+    def metrics(self) -> RequestRecorder: ...
 
     def ready_engine(self) -> Engine:
         """The engine, or EngineUnavailableError (a 503) while there is none."""
@@ -289,7 +292,7 @@ class OpenAIRoutes:
         plan = plan_tools(body)
         messages = [m.as_template_dict() for m in body.messages]
         kwargs = body.chat_template_kwargs or {}
-        prompt, tokens = await _prepare(request, lambda: _rendered(engine, messages, plan.tools, kwargs, request))
+        prompt, tokens = await prepare(request, lambda: rendered(engine, messages, plan.tools, kwargs, request))
         params = _params(body, engine, _constraint(body, plan.constraint))
         handles = self._submit(engine, tokens, params, body.n, param="messages", streamed=body.stream,
                                scope=request.scope)
@@ -309,8 +312,8 @@ class OpenAIRoutes:
     async def _completion_job(self, engine: Engine, body: CompletionRequest, request: Request) -> Job:
         _check_request(engine, body)
         prompts = body.prompts()
-        tokenized = await _prepare(request, lambda: [p if isinstance(p, list) else engine.tokenize_prompt(p)
-                                                     for p in prompts])
+        tokenized = await prepare(request, lambda: [p if isinstance(p, list) else engine.tokenize_prompt(p)
+                                                    for p in prompts])
         params = _params(body, engine, _constraint(body, None))
         handles: list[RequestHandle] = []
         try:
@@ -334,7 +337,7 @@ class OpenAIRoutes:
         async with self._host.engine_turn() as engine:
             _check_request(engine, body)
             messages = body.messages()
-            _, tokens = await _prepare(request, lambda: _rendered(engine, messages, None, {}, request))
+            _, tokens = await prepare(request, lambda: rendered(engine, messages, None, {}, request))
             handle = self._submit(engine, tokens, body.sampling_params(), 1, param="input", streamed=body.stream,
                                   scope=request.scope)[0]
         answer = ResponsesAnswer(engine.config.served_name, body.model_dump(mode="json"))
@@ -351,7 +354,7 @@ class OpenAIRoutes:
         def typed(event: dict[str, Any]) -> str:
             return f"event: {event['type']}\n" + _event(event)
 
-        async with _cancel_unless_finished([handle], self.metrics):
+        async with cancel_unless_finished([handle], self.metrics):
             try:
                 for event in answer.opening():
                     yield typed(event)
@@ -414,7 +417,7 @@ class OpenAIRoutes:
 
     async def _gather(self, handles: list[RequestHandle], states: list[ChoiceState]) -> None:
         """Read every choice to its end into its state (a whole answer); a failed choice is a 500."""
-        async with _cancel_unless_finished(handles, self.metrics):
+        async with cancel_unless_finished(handles, self.metrics):
             async for index, chunk in merged(handles):
                 if chunk.finish_reason == FinishReason.error:
                     self.metrics.record_request(chunk.usage, FinishReason.error)
@@ -425,7 +428,7 @@ class OpenAIRoutes:
 
     async def _stream(self, job: Job, include_usage: bool, rid: str) -> AsyncIterator[str]:
         spacing = None if job.response.want_logprobs else self._host.stream_spacing  # logprobs: per token
-        async with _cancel_unless_finished(job.handles, self.metrics):
+        async with cancel_unless_finished(job.handles, self.metrics):
             async for event in sse_events(job, include_usage, self.metrics, rid, spacing):
                 yield event
 
@@ -460,33 +463,40 @@ class ToolPlan:
 
 
 def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
-    """tool_choice: `none` hides the tools; `auto` shows them and reads calls back; `required` and a named
-    function also constrain decoding with a grammar, so the call is well formed and its arguments fit.
-
-    A forced answer is one call unless the client sent `parallel_tool_calls: true` (then up to
-    MAX_PARALLEL_CALLS). Unset is one call, as llama-server long defaulted and as a named function always is,
-    though OpenAI's default is true: a grammar that lets a small model go on calling lets it repeat the same
-    call until max_tokens cuts it, and the client that forced a call gets a cut answer. One call, the grammar
-    ends after its `</tool_call>` and so does the answer (`finish_reason: "tool_calls"`)."""
+    """OpenAI's tool_choice as a ToolPlan (see `tool_plan`): unset is `auto` with tools, `none` without."""
     choice = body.tool_choice or ("auto" if body.tools else "none")
-    if not body.tools:
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    return tool_plan([t.model_dump(exclude_none=True) for t in body.tools or []],
+                     "required" if named is not None else str(choice), named, body.parallel_tool_calls is True)
+
+
+def tool_plan(tools: list[dict[str, Any]], choice: str, named: str | None = None, parallel: bool = False
+              ) -> ToolPlan:
+    """`tools` in OpenAI's shape under a tool choice (`none`, `auto` or `required`; `named`: the one function
+    that must be called): `none` hides the tools; `auto` shows them and reads calls back; `required` and a
+    named function also constrain decoding with a grammar, so the call is well formed and its arguments fit.
+
+    A forced answer is one call unless `parallel` (then up to MAX_PARALLEL_CALLS; never for a named
+    function). OpenAI's route asks for parallel calls only on `parallel_tool_calls: true`: unset is one call, as
+    llama-server long defaulted, though OpenAI's default is true: a grammar that lets a small model go on
+    calling lets it repeat the same call until max_tokens cuts it, and the client that forced a call gets a
+    cut answer. One call, the grammar ends after its `</tool_call>` and so does the answer
+    (`finish_reason: "tool_calls"`)."""
+    if not tools:
         if choice not in ("none", "auto"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return ToolPlan()
     if choice == "none":
         return ToolPlan()
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    functions = [(t.function.name, t.function.parameters or {"type": "object"}) for t in body.tools]
-    if isinstance(choice, NamedToolChoice):
-        functions = [f for f in functions if f[0] == choice.function.name]
+    functions = [(t["function"]["name"], t["function"].get("parameters") or {"type": "object"}) for t in tools]
+    if named is not None:
+        functions = [f for f in functions if f[0] == named]
         if not functions:
-            raise APIError(400, f"tool_choice names '{choice.function.name}', which is not among the tools",
-                           param="tool_choice")
+            raise APIError(400, f"tool_choice names '{named}', which is not among the tools", param="tool_choice")
     constraint = None
     if choice != "auto":
         try:
-            constraint = tool_call_guide(functions, parallel=body.parallel_tool_calls is True
-                                         and not isinstance(choice, NamedToolChoice))
+            constraint = tool_call_guide(functions, parallel=parallel and named is None)
         except GrammarError as exc:
             raise APIError(400, f"a tool's parameters: {exc}", param="tools") from exc
     return ToolPlan(tools, constraint, CallMode.auto if constraint is None else CallMode.forced)
@@ -527,7 +537,7 @@ def _params(body: Any, engine: Engine, constraint: Constraint | None) -> Samplin
 
 
 @contextlib.asynccontextmanager
-async def _cancel_unless_finished(handles: list[RequestHandle], metrics: RequestRecorder) -> AsyncIterator[None]:
+async def cancel_unless_finished(handles: list[RequestHandle], metrics: RequestRecorder) -> AsyncIterator[None]:
     """Whatever ends the reading early (the client went away: CancelledError or GeneratorExit; an error in
     one choice; a bug) cancels every unfinished choice, so their slots are free at the next step."""
     try:
@@ -556,14 +566,14 @@ def _render(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str
         raise APIError(400, "the model's chat template could not render these messages", param="messages") from exc
 
 
-def _rendered(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+def rendered(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
               kwargs: dict[str, Any], request: Request) -> tuple[str, list[int]]:
     """The prompt text and its tokens: one piece of work, so it crosses to a worker thread at most once."""
     prompt = _render(engine, messages, tools, kwargs, request)
     return prompt, engine.tokenize_prompt(prompt)
 
 
-async def _prepare(request: Request, work: Callable[[], T]) -> T:
+async def prepare(request: Request, work: Callable[[], T]) -> T:
     """Template and tokenising for a request: on the event loop for a small body (tens to hundreds of
     microseconds: less than a hop to a worker thread and back, which took milliseconds on the 2-core CPU while
     the model's threads held the cores), in a worker thread otherwise, so a long prompt never stalls the loop."""
