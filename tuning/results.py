@@ -141,7 +141,8 @@ class Measurement:
     throttle_reasons: str | None = None
     throttled: bool = False
     shared: bool = False
-    node: str = ""  # where the engine measured ran (serving.replica.node.node_label): trials spread over a cluster's nodes
+    # where the engine measured ran (serving.replica.node.node_label): trials spread over a cluster's nodes
+    node: str = ""
 
     @property
     def nll_delta(self) -> float:
@@ -155,7 +156,7 @@ class MeasuredRun:
     measurement: Measurement
     setup_s: float | None = None
     held_s: float | None = None
-    buffers_mib: dict[str, dict[str, float]] | None = None  # llama.cpp's own report (serving/engine/buffers.py), offline
+    buffers_mib: dict[str, dict[str, float]] | None = None  # llama.cpp's own (serving/engine/buffers.py), offline
 
 
 @dataclass(frozen=True, kw_only=True)
