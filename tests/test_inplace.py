@@ -146,10 +146,10 @@ def test_in_place_the_study_replays_the_recorded_traffic_within_the_slo(serve_ur
 
 @pytest.mark.timeout(300)
 def test_the_confirmation_round_measures_on_the_replica(serve_url: str, restored: EngineConfig) -> None:
-    from tuning.inplace import ServingApp
+    from tuning.serving_app import ServingApp
     from tuning.objective import Workload
     from tuning.report import Objective
-    from tuning.search import confirmation_measure
+    from tuning.confirm import confirmation_measure
 
     loads = _slots(serve_url)["weight_loads"]
     config = restored.model_copy(update={"n_parallel": 2, "n_ctx": 2048})
@@ -168,10 +168,10 @@ def test_on_a_workload_the_confirmation_round_replays_it_on_the_replica(serve_ur
     """The confirmation round of a traffic study measures goodput by replaying the workload there too."""
     from measure.replay import ReplayRequest, TrafficWorkload
     from measure.slo import Slo
-    from tuning.inplace import ServingApp
+    from tuning.serving_app import ServingApp
     from tuning.objective import Workload
     from tuning.report import Objective
-    from tuning.search import confirmation_measure
+    from tuning.confirm import confirmation_measure
     from tuning.workloads import TrafficPlan
 
     loads = _slots(serve_url)["weight_loads"]

@@ -141,7 +141,7 @@ def test_placement_is_set_only_when_the_budget_needs_it_and_fills_what_the_rest_
     the model that fits beside its other settings (fewer experts moved with a smaller cache), never drawn."""
     from tuning.fit import ExpertEnd, fewest_expert_layers, most_layers
     from serving.engine.memory import ModelShape, predict
-    from tuning.search import cheapest_config, placement_search
+    from tuning.plan import cheapest_config, placement_search
     from tuning.space import PlacementFit, PlacementKnob, PlacementSearch, SearchSpace, suggest, to_engine_config
 
     shape = ModelShape.from_gguf(tiny_moe)
@@ -205,7 +205,8 @@ def test_placement_is_set_only_when_the_budget_needs_it_and_fills_what_the_rest_
 @pytest.mark.engine
 def test_a_config_over_the_ram_budget_is_refused_before_it_loads(tiny_moe: Path) -> None:
     from serving.engine.memory import ModelShape, predict
-    from tuning.trial import ConfigTrial, TrialSettings
+    from tuning.plan import TrialSettings
+    from tuning.trial import ConfigTrial
 
     shape = ModelShape.from_gguf(tiny_moe)
     params = {"n_parallel": 1, "n_batch": 256, "n_ubatch": 256, "ctx_per_slot": 1024, "type_k": "f16",

@@ -12,15 +12,17 @@ from typing import Any
 import pytest
 
 from serving.engine.config import EngineConfig
-from tuning.confirm import Candidate, Confirmed, decide
+from tuning.confirm import Candidate, Confirmation, Confirmed, decide, with_served
 from tuning.options import Prefer, SearchOptions, Where, _parser, parse_options
 from tuning.report import TrialRow, config_label
 from tuning.results import Objective, TrialResult
 from serving.replica.node import DeviceMemory, ReplicaPlace
 from tuning.gpus import TrialSlots
 from tuning.report import nodes_section
-from tuning.search import (Confirmation, UserError, budget_bytes, choose_device, pick_summary, plan_line,
-                           serving_app, with_served)
+from tuning.errors import UserError
+from tuning.plan import budget_bytes, choose_device
+from tuning.search import pick_summary, plan_line
+from tuning.serving_app import serving_app
 from tuning.workloads import least_context, traffic_plan
 
 pytestmark = pytest.mark.unit

@@ -359,7 +359,7 @@ def test_the_capacity_section_draws_the_best_curve_per_slot_count(tmp_path: Path
 
 @pytest.mark.engine
 def test_confirmation_candidates_are_distinct_configs_and_the_baseline() -> None:
-    from tuning.search import confirmation_candidates
+    from tuning.confirm import confirmation_candidates
 
     def trial(n: int, single: float, aggregate: float, n_parallel: int, baseline: bool = False) -> TrialRow:
         params = {"n_parallel": n_parallel, "n_batch": 512, "n_ubatch": 512, "ctx_per_slot": 2048, "type_k": "f16",
@@ -544,7 +544,8 @@ def test_a_config_already_measured_is_answered_without_measuring_again() -> None
     from serving.engine.memory import ModelShape
     from tuning.objective import Workload
     from tuning.results import Measurement, MeasuredRun
-    from tuning.trial import EngineTrial, TrialSettings
+    from tuning.plan import TrialSettings
+    from tuning.trial import EngineTrial
 
     base = EngineConfig()
     shape = ModelShape.from_gguf(base.model_path)
@@ -612,7 +613,7 @@ def test_a_proposal_the_study_already_measured_is_answered_from_it_not_run() -> 
 def test_offline_confirmation_measures_on_an_engine_of_its_own(ray_session: None) -> None:
     from tuning.objective import Workload
     from tuning.report import Objective
-    from tuning.search import confirmation_measure
+    from tuning.confirm import confirmation_measure
 
     configs = [EngineConfig(n_parallel=1, n_ctx=1024), EngineConfig(n_parallel=2, n_ctx=2048)]
     with confirmation_measure(app=None, workload=Workload(gen_tokens=8, repeats=1), on_gpu=False, study="s",

@@ -9,15 +9,30 @@ when it ran, else the search's own pick), and the pick is made on the medians of
 the pick's range of ratios overlaps the runner-up's, the report says the pick is within noise. In place, the
 config the replicas serve is a candidate too (trial number -1 when no trial ran it): a pick must beat what is
 served, and a tie within noise keeps it (a switch would buy nothing measurable).
+
+The whole round is here: which of the study's trials are candidates, where they are measured (on a serving
+replica in place, else on one engine of the tuner's own in a Ray actor), the design and the verdict, and the
+outcome the command reports (`Confirmation`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import statistics
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from measure.workload import Workload
 from serving.engine.config import EngineConfig
+from serving.engine.memory import predict
+from tuning.plan import StudyPlan, TrialSettings
+from tuning.report import TrialRow, config_label, pareto_front
+from tuning.results import Objective, SpeedFigures
+from tuning.serving_app import ServingApp
+from tuning.space import to_engine_config
+from tuning.workloads import TrafficPlan
 
 PICK_WITHIN = 0.05  # balanced: best aggregate among candidates within 5% of the best single stream
 
@@ -180,3 +195,127 @@ def markdown(confirmed: list[Confirmed], verdict: Verdict, reference: Candidate,
 def _ratio(c: Confirmed, metric: str) -> str:
     low, high = c.spread(metric)
     return f"{c.median(metric):.3f} [{low:.3f}-{high:.3f}]"
+
+
+def confirmation_candidates(rows: list[TrialRow], winner: TrialRow, base: EngineConfig, top: int,
+                            prefer: str) -> list[TrialRow]:
+    """The pick and the next best of the Pareto front, `top` distinct engine configs in all (a re-run study
+    can hold one config twice), then the article baseline when it ran and is not among them."""
+    ranked = sorted(pareto_front(rows), key=lambda r: (r.second, r.single), reverse=True)
+    if prefer == "single":
+        ranked.sort(key=lambda r: (r.single, r.second), reverse=True)
+    chosen: list[TrialRow] = []
+    for row in [winner, *ranked]:
+        if len(chosen) < top and all(to_engine_config(row.params, base) != to_engine_config(c.params, base)
+                                     for c in chosen):
+            chosen.append(row)
+    baseline = next((r for r in rows if r.is_baseline and r.single > 0), None)
+    if baseline is not None and all(to_engine_config(baseline.params, base) != to_engine_config(c.params, base)
+                                    for c in chosen):
+        chosen.append(baseline)
+    return chosen
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The confirmation round's outcome: the pick's study row (None: the served config stays, and no trial ran
+    it), its confirmed figures, and the report section."""
+
+    row: TrialRow | None
+    verdict: Verdict
+    reference: Candidate  # what the ratios are paired against
+    rounds: int
+    section: str
+
+    def figures(self) -> tuple[float, float]:
+        """The pick's median single-stream and second-objective tok/s over the confirmation rounds."""
+        pick = self.verdict.pick
+        return statistics.median(pick.single), statistics.median(pick.second)
+
+    def summary(self, objective: Objective) -> str:
+        """The confirmed, paired ratios, as the pick line, tuned.yaml's header and the report's winner say."""
+        pick = self.verdict.pick
+        against = ("the article baseline" if self.reference.is_baseline else
+                   f"trial {self.reference.number}, the search's pick (the baseline did not run)")
+        if self.verdict.keeps_served:
+            best = self.verdict.runner_up  # the best of the others
+            found = (f"; the best other, {best.candidate.name}, measured {best.median(self.verdict.metric):.3f}x "
+                     f"against {pick.median(self.verdict.metric):.3f}x for the served config"
+                     if best is not None else "")
+            return (f"the served config stays: no candidate beat it over {self.rounds} interleaved confirmation "
+                    f"rounds ({'single stream' if self.verdict.metric == 'single' else objective.label} ratios to "
+                    f"{against}{found})")
+        if pick.candidate == self.reference:
+            return f"confirmed over {self.rounds} interleaved rounds (no other candidate beat it)"
+        noise = " (within noise of the runner-up)" if self.verdict.within_noise else ""
+        return (f"single stream {pick.median('single'):.3f}x, {objective.label.removesuffix(' tok/s')} "
+                f"{pick.median('second'):.3f}x {against}: medians of ratios paired in {self.rounds} interleaved "
+                f"confirmation rounds{noise}")
+
+
+def confirm_pick(plan: StudyPlan, rows: list[TrialRow], winner: TrialRow) -> Confirmation | None:
+    """The search's best few, the baseline and (in place) the served config measured again, interleaved: the
+    pick on paired ratios. None when there is nothing to compare the pick with."""
+    opts, base = plan.options, plan.base
+    chosen = confirmation_candidates(rows, winner, base, opts.confirm_top, opts.prefer)
+    candidates = [Candidate(r.number, r.label(), to_engine_config(r.params, base), r.is_baseline,
+                            memory=r.result.mem_measured or r.result.mem_predicted) for r in chosen]
+    if plan.app is not None:
+        candidates = with_served(candidates, plan.app.serving, plan.settings)
+    if len(candidates) < 2:
+        return None
+    reference = next((i for i, c in enumerate(candidates) if c.is_baseline), 0)  # else the search's pick
+    print(f"confirmation: {len(candidates)} candidates x {opts.confirm_rounds} rounds, interleaved")
+    with confirmation_measure(app=plan.app, workload=plan.settings.workload, on_gpu=plan.on_gpu,
+                              study=plan.study_name, total_trials=opts.trials + opts.confirm_rounds * len(candidates),
+                              objective=opts.objective, traffic=plan.traffic) as measure:
+        confirmed = confirm(candidates, reference, opts.confirm_rounds, measure, progress=print)
+    verdict = decide(confirmed, opts.prefer)
+    noise = " (within noise)" if verdict.within_noise else ""
+    print(f"confirmed pick: {verdict.pick.candidate.name}{noise}")
+    picked = next((r for r in rows if r.number == verdict.pick.candidate.number), None)
+    section = markdown(confirmed, verdict, candidates[reference], opts.confirm_rounds, opts.objective.label)
+    return Confirmation(picked, verdict, candidates[reference], opts.confirm_rounds, section)
+
+
+def with_served(candidates: list[Candidate], serving: EngineConfig, settings: TrialSettings) -> list[Candidate]:
+    """In place, the config the replicas serve now joins the candidates (a pick must beat it): marked on the
+    candidate that is it, else added (trial number -1, its memory predicted from the GGUF header)."""
+    if any(c.config == serving for c in candidates):
+        return [replace(c, is_served=c.config == serving) for c in candidates]
+    memory = predict(settings.shape, serving, settings.on_gpu).total
+    return [*candidates, Candidate(-1, config_label(serving), serving, memory=memory, is_served=True)]
+
+
+@contextlib.contextmanager
+def confirmation_measure(*, app: ServingApp | None, workload: Workload, on_gpu: bool, study: str,
+                         total_trials: int, objective: Objective, traffic: TrafficPlan | None = None
+                         ) -> Iterator[Callable[[EngineConfig], Figures]]:
+    """`config -> Figures` for the confirmation round: on a serving replica in place, else on one engine of
+    our own in a Ray actor (one more weight load); on a traffic workload each measurement is its replay.
+    The engine's modules (and Ray) are imported here, where a round runs: the tuner's `--help` loads none."""
+    from tuning.objective import SpeedMeasure
+
+    requests = itertools.count(10**6, 1000)  # request numbers apart from the trials'
+
+    def figures(result: SpeedFigures) -> Figures:
+        return Figures(result.single_tok_s, result.second(objective))
+
+    if app is not None:
+        from tuning.inplace import replica_speed
+
+        yield lambda config: figures(replica_speed(
+            app.name, study, total_trials, config, SpeedMeasure(workload, next(requests), traffic)))
+        return
+    import ray
+
+    from tuning.trial import ConfirmEngine
+
+    resources = {"num_gpus": 1, "num_cpus": 1} if on_gpu else {"num_cpus": 1}
+    actor: Any = ray.remote(ConfirmEngine).options(**resources).remote()
+    try:
+        yield lambda config: figures(ray.get(actor.measure.remote(config, SpeedMeasure(workload, next(requests),
+                                                                                     traffic))))
+    finally:
+        ray.get(actor.close.remote())
+        ray.kill(actor)

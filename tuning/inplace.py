@@ -11,54 +11,20 @@ the study is interrupted, the config they served before.
 from __future__ import annotations
 
 import itertools
-import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from ray import serve
 from ray.tune import Callback
 
 from serving.engine.config import EngineConfig
-from serving.replica.control import DEPLOYMENT_NAME
-from serving.replica.node import Placed, ReplicaPlace
-from serving.engine.traffic import TrafficSummary
 from serving.replica.trials import TrialRun
 from tuning.objective import InPlaceMeasure, SpeedMeasure
+from tuning.plan import TrialSettings
 from tuning.results import Measurement, MeasuredRun, SpeedFigures, TrialResult
-from tuning.trial import ConfigTrial, TrialSettings
-
-log = logging.getLogger(__name__)
+from tuning.serving_app import engine_handle
+from tuning.trial import ConfigTrial
 
 REQUESTS_PER_TRIAL = 1000  # request numbers each trial's prompts may use (fresh prefixes across trials)
-
-
-@dataclass(frozen=True)
-class ServingApp(Placed):
-    """A running Serve app with engine replicas: where an in-place study runs."""
-
-    name: str
-    replicas: int
-    serving: EngineConfig  # what the replicas serve now: the study's base, and what an interruption restores
-    places: tuple[ReplicaPlace, ...] = ()  # each replica's node and GPUs, as it reads them on its node
-
-
-def find_serving_app(app_name: str | None) -> ServingApp | None:
-    """The Serve app (of the connected Ray cluster) whose engine replicas a study can run on, if any;
-    LookupError when several could be and `app_name` does not say which."""
-    from ray.serve.schema import ReplicaState
-
-    apps = {name: app for name, app in serve.status().applications.items() if DEPLOYMENT_NAME in app.deployments}
-    if app_name is None and len(apps) > 1:
-        raise LookupError(f"several Serve apps run engine replicas ({', '.join(sorted(apps))}): pass --app-name")
-    if app_name is None and len(apps) == 1:
-        app_name = next(iter(apps))
-    if app_name is None or app_name not in apps:
-        return None
-    replicas = apps[app_name].deployments[DEPLOYMENT_NAME].replica_states.get(ReplicaState.RUNNING, 0)
-    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name)
-    serving = EngineConfig(**handle.served_config.remote().result(timeout_s=120))
-    places = tuple(ReplicaPlace.from_dict(p) for p in handle.broadcast("place").results(timeout_s=60))
-    return ServingApp(app_name, int(replicas), serving, places)
 
 
 class ReplicaTrial(ConfigTrial):
@@ -67,7 +33,7 @@ class ReplicaTrial(ConfigTrial):
     def setup(self, config: dict[str, Any], settings: TrialSettings, app: str,  # type: ignore[override]
               study: str, trials: int) -> None:
         super().setup(config, settings)
-        self.handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
+        self.handle = engine_handle(app)
         self.study, self.trials = study, trials
         self.baseline: float | None = None  # the f16 NLL, measured by the first trial and passed on
         self.requests = itertools.count(1, REQUESTS_PER_TRIAL)
@@ -92,18 +58,9 @@ class ReplicaTrial(ConfigTrial):
 def replica_speed(app: str, study: str, trials: int, config: EngineConfig, measure: SpeedMeasure) -> SpeedFigures:
     """One speed measurement of `config` on a serving replica, as a trial of the study (its turn, its
     context rebuilt), for the confirmation round."""
-    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
-    run: TrialRun = handle.tune_trial.remote(study, trials, config.to_yaml_dict(), measure).result()
+    run: TrialRun = engine_handle(app).tune_trial.remote(study, trials, config.to_yaml_dict(), measure).result()
     figures: SpeedFigures = run.measured
     return figures
-
-
-def recorded_traffic(app: str) -> tuple[TrafficSummary, int | None]:
-    """The app's client traffic as its replicas recorded it, merged (GET /traffic), and how many replicas
-    did not answer."""
-    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
-    summary, missing = handle.all_traffic.remote().result(timeout_s=60)
-    return summary, missing
 
 
 class FirstTrialNotice(Callback):

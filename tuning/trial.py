@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from serving.engine import llama as _llama  # noqa: F401  (load order: ray before libllama, see serving/engine/llama.py)
@@ -21,25 +21,11 @@ from serving.engine.buffers import llama_buffers
 from serving.engine.config import EngineConfig
 from serving.engine.core import Engine, EngineError
 from tuning.device import DeviceProbe
-from serving.engine.memory import ModelShape, predict
-from tuning.objective import Runner, SpeedMeasure, Workload, measure_engine
+from serving.engine.memory import predict
+from tuning.objective import Runner, SpeedMeasure, measure_engine
+from tuning.plan import TrialSettings
 from tuning.results import MeasuredRun, SpeedFigures, TrialResult
 from tuning.space import to_engine_config
-from tuning.workloads import TrafficPlan
-
-
-@dataclass(frozen=True)
-class TrialSettings:
-    """What every trial shares: the base config (model, threads), budget, workload, quality margin."""
-
-    base: EngineConfig
-    shape: ModelShape
-    budget_bytes: int
-    on_gpu: bool
-    workload: Workload
-    max_quality_loss: float
-    traffic: TrafficPlan | None = None  # a traffic workload to replay instead of the fixed benchmark
-    ram_budget_bytes: int | None = None  # host memory a config may take (with part of the model on the CPU)
 
 
 class ConfigTrial(tune.Trainable):

@@ -13,23 +13,21 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from measure.replay import Arrivals, Builtin, Replayer, TrafficWorkload, builtin, from_shapes, load_file
 from measure.slo import Slo
 from measure.targets import EngineTarget
 from measure.workload import source_text
+from tuning.errors import UserError
 from serving.engine.memory import ModelShape
 from tuning.options import BENCHMARK, LIVE, LIVE_MIN_REQUESTS, SearchOptions
 from tuning.results import TrafficFigures
+from tuning.serving_app import ServingApp, recorded_traffic
 
 if TYPE_CHECKING:
     from serving.engine.core import Engine
-    from tuning.inplace import ServingApp
-
-
-class UserError(Exception):
-    """Bad input the user can fix; printed without a traceback, exit code 2."""
+    from serving.engine.traffic import TrafficSummary
 
 
 @dataclass(frozen=True)
@@ -45,20 +43,17 @@ class TrafficPlan:
         return TrafficFigures.of(asyncio.run(replayer.run(EngineTarget(engine))))
 
 
-def traffic_plan(opts: SearchOptions, app: ServingApp | None, recorded: Callable[[str], tuple[Any, int | None]]
-                 | None = None) -> tuple[SearchOptions, TrafficPlan | None]:
+def traffic_plan(opts: SearchOptions, app: ServingApp | None,
+                 recorded: Callable[[str], tuple[TrafficSummary, int | None]] = recorded_traffic
+                 ) -> tuple[SearchOptions, TrafficPlan | None]:
     """The options settled (in place without --workload, the recorded traffic once it holds enough requests)
     and the TrafficPlan trials replay, or None for the fixed benchmark; a line saying which is printed.
-    `recorded` reads an app's merged traffic (default: tuning.inplace.recorded_traffic)."""
+    `recorded` reads an app's merged traffic (default: tuning.serving_app.recorded_traffic)."""
     name = opts.workload
     if name == BENCHMARK:
         return opts, None
     summary = None
     if app is not None and name in (None, LIVE):
-        if recorded is None:
-            from tuning.inplace import recorded_traffic
-
-            recorded = recorded_traffic
         summary, missing = recorded(app.name)
         count = len(summary.recent)
         if missing:

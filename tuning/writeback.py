@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from serving.engine.config import EngineConfig
+from tuning.serving_app import engine_apps, named_app
 
 
 def write_config(path: Path, config: EngineConfig, header: str = "") -> None:
@@ -66,9 +67,8 @@ def apply_to_serve(config: EngineConfig, app_name: str | None = None, address: s
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
         except (ConnectionError, RuntimeError) as exc:
             return ApplyResult(False, f"no running Ray cluster at {address!r} ({exc}); only the file was written")
-    apps = {name: app for name, app in serve.status().applications.items() if DEPLOYMENT_NAME in app.deployments}
-    if app_name is None and len(apps) == 1:
-        app_name = next(iter(apps))
+    apps = engine_apps()
+    app_name = named_app(apps, app_name)
     if app_name not in apps:
         running = sorted(apps) or "none"
         named = f" {app_name}" if app_name else ""
