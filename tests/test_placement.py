@@ -139,7 +139,7 @@ def test_thread_choices_are_all_one_fewer_and_half() -> None:
 def test_placement_is_set_only_when_the_budget_needs_it_and_fills_what_the_rest_leaves(tiny_moe: Path) -> None:
     """Placement appears only when the smallest config does not fit; each point's placement is then the most of
     the model that fits beside its other settings (fewer experts moved with a smaller cache), never drawn."""
-    from tuning.fit import ExpertEnd, fewest_expert_layers, most_layers
+    from serving.engine.fit import ExpertEnd, fewest_expert_layers, most_layers
     from serving.engine.memory import ModelShape, predict
     from tuning.plan import cheapest_config, placement_search
     from tuning.space import PlacementFit, PlacementKnob, PlacementSearch, SearchSpace, suggest, to_engine_config
@@ -253,7 +253,7 @@ def test_a_buffer_type_this_build_lacks_is_refused_with_the_ones_it_has(tiny_moe
 
 @pytest.mark.engine
 def test_what_fits_a_budget_is_the_most_layers_and_the_fewest_experts_moved(tiny_moe: Path) -> None:
-    from tuning.fit import ExpertEnd, fewest_expert_layers, most_layers
+    from serving.engine.fit import ExpertEnd, fewest_expert_layers, most_layers
     from serving.engine.memory import ModelShape, predict
 
     shape = ModelShape.from_gguf(tiny_moe)

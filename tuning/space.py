@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from serving.engine.config import CacheType, EngineConfig, FlashAttn, SpecMode
-from tuning.fit import ExpertEnd, expert_placement, fewest_expert_layers, most_layers
+from serving.engine.fit import ExpertEnd, expert_placement, fewest_expert_layers, most_layers
 from serving.engine.memory import ModelShape
 
 DEFAULT_SPACE_FILE = Path(__file__).resolve().parent.parent / "configs" / "search_space.yaml"

@@ -13,13 +13,15 @@ import importlib.metadata
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
+                      model_validator)
 
 from serving.engine.speculate import SpecSettings
 
@@ -91,6 +93,23 @@ class CpuRepack(str, Enum):
     auto = "auto"
     on = "on"
     off = "off"
+
+
+AUTO = "auto"  # the word a config writes for a setting the engine sizes when it loads
+
+
+class AutoSetting(str, Enum):
+    """Settings a config may leave to the engine, written `auto`: it sizes them when it loads the model, from the
+    GGUF header and the memory it finds (serving/engine/fit.py), as llama-server's --fit does for the settings a
+    user leaves unset (its -ngl auto, -c 0, -np -1)."""
+
+    n_gpu_layers = "n_gpu_layers"  # where the weights go: every layer on the GPU if they fit, else experts, layers
+    n_ctx = "n_ctx"  # the largest context a slot can have in the memory left, up to the trained length
+    n_parallel = "n_parallel"  # 4 slots (llama-server's -np -1), fewer where 4 would leave a slot short of an agent
+
+
+# fit at start unless the config places the weights itself: llama-server's -ngl is auto by default too
+DEFAULT_AUTO = frozenset({AutoSetting.n_gpu_layers})
 
 
 class SplitMode(str, Enum):
@@ -170,14 +189,23 @@ class EngineConfig(BaseModel):
                                       "e.g. gemma, llama3, chatml [--chat-template NAME], or a path to a Jinja "
                                       "file [--jinja --chat-template-file]; default: the GGUF's own template, "
                                       "else ChatML")
-    n_ctx: int = Field(4096, ge=16, description="total K/V cells over all slots [-c]")
-    n_parallel: int = Field(4, ge=1, le=256, description="slots decoded together each step [-np]")
+    n_ctx: int = Field(4096, ge=16, description="total K/V cells over all slots [-c]; auto: the largest context a "
+                       "slot can have in the memory left after the weights, up to the model's trained length [-c 0]")
+    n_parallel: int = Field(4, ge=1, le=256, description="slots decoded together each step [-np]; auto: 4 "
+                            "[-np -1], or 2 or 1 where 4 would leave a slot under an agent's 65,536 tokens (the "
+                            "trained length if shorter)")
     n_batch: int = Field(2048, ge=1, description="max tokens in one llama_decode call [-b]")
     n_ubatch: int = Field(512, ge=1, description="physical micro-batch [-ub]")
     type_k: CacheType = Field(CacheType.f16, description="K cache type [-ctk]")
     type_v: CacheType = Field(CacheType.f16, description="V cache type [-ctv]")
     flash_attn: FlashAttn = Field(FlashAttn.auto, description="flash attention [-fa]")
-    n_gpu_layers: int = Field(-1, ge=-1, description="layers offloaded to the GPU, -1 = all [-ngl]")
+    n_gpu_layers: int = Field(-1, ge=-1, description="layers offloaded to the GPU, -1 = all [-ngl]; auto (the "
+                              "default): all if the model fits the GPU, else the experts of a mixture of experts "
+                              "move to host memory first, then whole layers [-ngl auto, --fit on]")
+    vram_budget: int | None = Field(None, ge=1, description="GPU memory the engine plans for when it sizes an auto "
+                                    "setting, e.g. 10GiB; default: the GPU's free memory less 1 GiB [--fit-target]")
+    auto: frozenset[AutoSetting] = Field(DEFAULT_AUTO, exclude=True, description="the settings written auto, "
+                                         "sized at load; their fields hold what an engine would run unsized")
     cpu_repack: CpuRepack = Field(
         CpuRepack.auto,
         description="repack CPU weights for faster kernels [--repack/--no-repack]; auto = on unless a one-time "
@@ -248,6 +276,53 @@ class EngineConfig(BaseModel):
                              "built-in template is a bare name, e.g. gemma")
         return str(path)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_words(cls, data: Any) -> Any:
+        """`auto` for a setting of AutoSetting moves it into `auto` (its field keeps its default); a value for it
+        takes it out. A config that names no placement leaves n_gpu_layers auto."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        auto = set(data.pop("auto", DEFAULT_AUTO))
+        for setting in AutoSetting:
+            value = data.get(setting.value)
+            if isinstance(value, str) and value.strip().lower() == AUTO:
+                del data[setting.value]
+                auto.add(AutoSetting(setting))
+            elif value is not None:
+                auto.discard(AutoSetting(setting))
+        return {**data, "auto": frozenset(AutoSetting(a) for a in auto)}
+
+    @field_validator("vram_budget", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        """A size as people write it (10GiB, 16GB, 900MiB) or bytes."""
+        from serving.engine.memory import parse_bytes  # memory.py imports this module: read at call time
+
+        return parse_bytes(value) if isinstance(value, str) else value
+
+    @model_serializer(mode="wrap")
+    def _auto_as_words(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Dumps write `auto` where the config says it (what the user wrote, and what reads back the same)."""
+        data: dict[str, Any] = handler(self)
+        for setting in self.auto:
+            if setting.value in data:
+                data[setting.value] = AUTO
+        return data
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy with `update`'s values; a setting given a value there is no longer auto (a copy skips the
+        validators that say so for a new config)."""
+        if update:
+            update = {"auto": self.auto - {s for s in AutoSetting if s.value in update}, **update}
+        return super().model_copy(update=update, deep=deep)
+
+    @property
+    def sized(self) -> bool:
+        """Whether every setting is settled (none left auto): what the engine runs."""
+        return not self.auto
+
     @field_validator("flash_attn", "cpu_repack", mode="before")
     @classmethod
     def _on_off_bool(cls, value: Any) -> Any:
@@ -292,7 +367,7 @@ class EngineConfig(BaseModel):
         if self.spec_ngram_min > self.spec_ngram_max:
             raise ValueError(f"spec_ngram_min ({self.spec_ngram_min}) must be <= spec_ngram_max "
                              f"({self.spec_ngram_max})")
-        if self.n_ctx < self.n_parallel * 16:
+        if self.n_ctx < self.n_parallel * 16 and not self.auto & {AutoSetting.n_ctx, AutoSetting.n_parallel}:
             raise ValueError(
                 f"n_ctx={self.n_ctx} leaves {self.n_ctx // self.n_parallel} tokens per slot for "
                 f"n_parallel={self.n_parallel}; each slot gets n_ctx / n_parallel cells: raise n_ctx or "

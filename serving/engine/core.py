@@ -32,12 +32,15 @@ from typing import Any
 
 # first: loads ray, then libllama (see serving/engine/llama.py)
 from serving.engine.llama import (LlamaContext, LlamaModel, Placement, builtin_chat_templates,
-                                  check_draft_vocabulary, format_builtin_chat)
+                                  check_draft_vocabulary, format_builtin_chat, gpu_offload_supported)
 
 import numpy as np  # noqa: E402
 
 from serving.engine.chat_template import PromptTemplate, chat_template_for  # noqa: E402
+from serving.engine import devices  # noqa: E402
 from serving.engine.config import EngineConfig, default_threads  # noqa: E402
+from serving.engine.fit import budget_for, fit  # noqa: E402
+from serving.engine.memory import ModelShape  # noqa: E402
 from serving.engine.errors import EngineError, EngineStoppedError, PromptTooLongError, QueueFullError  # noqa: E402
 from serving.engine.output import OutputProcessor  # noqa: E402
 from serving.engine.prompt_cache import PromptCache  # noqa: E402
@@ -105,6 +108,9 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, max_queued: int | None = None,
                  traffic_limit: int = DEFAULT_LIMIT) -> None:
+        self.requested = config  # as the caller wrote it, `auto` settings and all; `config` is what runs
+        self._found: tuple[tuple[devices.DeviceMemory, ...], int] | None = None  # GPUs and host memory, read once
+        config = self._sized(config)
         self.config = config
         self.fingerprint = config.fingerprint()  # each answer names its config: computed once a config, not per request
         self.max_queued = max_queued
@@ -264,8 +270,11 @@ class Engine:
         """Switch to a new config: drain running requests, rebuild the context (weights kept when the model
         and n_gpu_layers are unchanged), resume. Waiting requests wait through the switch; none fails.
         Blocks until done; raises EngineError (and keeps the old config running) if the new one fails.
+        Settings left `auto` are sized again, within the memory the engine found when it first sized one.
         """
-        self._when_drained(lambda: self._rebuild(config), timeout)
+        sized = self._sized(config)
+        self._when_drained(lambda: self._rebuild(sized), timeout)
+        self.requested = config
 
     def score(self, tokens: list[int], timeout: float | None = None) -> float:
         """Mean negative log-likelihood (nats/token) of `tokens` under the running config.
@@ -520,6 +529,19 @@ class Engine:
         finally:
             self._scheduler.reset_slot(seq)
         return total / (len(tokens) - 1)
+
+    def _sized(self, config: EngineConfig) -> EngineConfig:
+        """`config` with its `auto` settings sized from the GGUF header and the memory found here (serving/engine/
+        fit.py), logged in one line; a config with none comes back as it is. The GPUs and host memory are read
+        the first time only: later the engine's own allocations would count against it."""
+        if config.sized:
+            return config
+        if self._found is None:
+            self._found = (devices.visible_gpus() if gpu_offload_supported() else (), devices.available_memory())
+        shape = ModelShape.from_gguf(config.model_path)
+        fitted = fit(shape, config, budget_for(config, *self._found))
+        log.info("%s", fitted.describe(shape))
+        return fitted.config
 
     def _load_model(self, config: EngineConfig) -> LlamaModel:
         t0 = time.perf_counter()

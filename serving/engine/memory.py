@@ -9,7 +9,8 @@ term is exact arithmetic
 the compute term is the largest stage of llama.cpp's graph for one micro-batch (its allocator reuses memory
 between stages), with an allowance for fragmentation; the GPU's runtime share is set from measured runs. The tuner
 rejects a config predicted over budget without loading it, and reports predicted next to measured memory
-for every trial it does run, so the estimate's error is visible.
+for every trial it does run, so the estimate's error is visible. The engine places a model that does not fit
+by it when it loads (serving/engine/fit.py), which is why it lives in serving/engine/ and tuning/ imports it.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ class EngineHost:
                 await asyncio.to_thread(self._load, config)
                 if self.engine is None:
                     raise RuntimeError(self._load_error)
-            elif config != self.engine.config:
+            elif config != self.engine.requested:  # the same config again: nothing to size or rebuild
                 await asyncio.to_thread(self.engine.reconfigure, config)
             self.metrics.model = config.served_name
             self.trials.finish()  # a published config ends an in-place study: it is the pick, or the old one

@@ -10,18 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from serving.engine.config import default_threads
-
-VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """One GPU as NVML sees it on the replica's node."""
-
-    index: int
-    name: str
-    total_bytes: int
-    used_bytes: int
+from serving.engine.devices import VISIBLE_DEVICES, DeviceMemory, visible_gpus
 
 
 @dataclass(frozen=True)
@@ -85,7 +74,7 @@ def here(replica: str, offload_built: bool) -> ReplicaPlace:
     """This process's place: the Ray node (if Ray runs it), its visible GPUs by NVML (none where NVML cannot be
     read: no driver, or a CPU-only node), and whether layers can go to one (`offload_built`: the build can)."""
     node_id, node_ip = _ray_node()
-    gpus = _visible_gpus(os.environ.get(VISIBLE_DEVICES))
+    gpus = visible_gpus()
     return ReplicaPlace(replica=replica, node_id=node_id, node_ip=node_ip, hostname=socket.gethostname(),
                         visible_devices=os.environ.get(VISIBLE_DEVICES), gpus=gpus,
                         offload=offload_built and bool(gpus), threads=default_threads())
@@ -100,34 +89,3 @@ def _ray_node() -> tuple[str, str]:
     except Exception:  # outside Ray (a test's engine host): no node
         pass
     return "", ""
-
-
-def _visible_gpus(visible: str | None) -> tuple[DeviceMemory, ...]:
-    """NVML's view of the GPUs this process may use: CUDA_VISIBLE_DEVICES's indices (all when unset; none
-    when it is empty), as numbers or UUIDs."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return ()
-    try:
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        wanted = None if visible is None else [v.strip() for v in visible.split(",") if v.strip()]
-        found = []
-        for index, handle in enumerate(handles):
-            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-            if wanted is not None and str(index) not in wanted and uuid not in wanted:
-                continue
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            found.append(DeviceMemory(index, _text(pynvml.nvmlDeviceGetName(handle)), int(memory.total),
-                                      int(memory.used)))
-        return tuple(found)
-    except Exception:
-        return ()
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
