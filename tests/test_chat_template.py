@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from serving.engine.chat_template import SpecialTokens
 from tests.models import gemma3_270m_path
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ NAMES = ("chatml", "gemma", "llama3")
 JINJA = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
          "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
          "{% if add_generation_prompt %}<bot>{% endif %}")
+TOKENS = SpecialTokens("<s>", "</s>")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
@@ -65,7 +67,7 @@ def test_a_builtin_name_renders_through_llama_cpps_formatter() -> None:
     from serving.engine.chat_template import TemplateOrigin, chat_template_for
 
     calls: list[tuple[str, list[tuple[str, str]], bool]] = []
-    template = chat_template_for("m.gguf", "gemma", "{{ gguf }}", "<s>", "</s>", NAMES, _formatter(calls))
+    template = chat_template_for("m.gguf", "gemma", "{{ gguf }}", TOKENS, NAMES, _formatter(calls))
     assert template.origin is TemplateOrigin.builtin and template.source == "gemma" and not template.knows_tools
     out = template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
                            {"role": "assistant", "content": None}], tools=TOOLS, template_kwargs={"x": 1})
@@ -80,7 +82,7 @@ def test_a_formatter_refusal_is_a_template_error() -> None:
     def refuse(name: str, messages: Sequence[tuple[str, str]], add_assistant: bool) -> str:
         raise ValueError("llama.cpp's chat format 'gemma' cannot format these messages")
 
-    template = chat_template_for("m.gguf", "gemma", None, "<s>", "</s>", NAMES, refuse)
+    template = chat_template_for("m.gguf", "gemma", None, TOKENS, NAMES, refuse)
     with pytest.raises(ChatTemplateError, match="cannot format"):
         template.render([{"role": "user", "content": "hi"}])
 
@@ -92,7 +94,7 @@ def test_an_unknown_name_is_an_error_listing_the_names() -> None:
 
     with pytest.raises(EngineError, match="'gema' is not one of llama.cpp's built-in chat templates "
                                           r"\(chatml, gemma, llama3\)"):
-        chat_template_for("m.gguf", "gema", None, "<s>", "</s>", NAMES, _formatter([]))
+        chat_template_for("m.gguf", "gema", None, TOKENS, NAMES, _formatter([]))
 
 
 @pytest.mark.unit
@@ -102,15 +104,15 @@ def test_a_jinja_file_renders_tools_and_wins_over_the_gguf(tmp_path: Path) -> No
 
     path = tmp_path / "t.jinja"
     path.write_text(JINJA)
-    template = chat_template_for("m.gguf", str(path), "{{ 'gguf' }}", "<s>", "</s>", NAMES, _formatter([]))
+    template = chat_template_for("m.gguf", str(path), "{{ 'gguf' }}", TOKENS, NAMES, _formatter([]))
     assert template.origin is TemplateOrigin.file and template.knows_tools
     assert template.render([{"role": "user", "content": "hi"}], tools=TOOLS) == "[get_weather]<user>hi<bot>"
     for bad, why in (("", "empty"), ("{% for %}", "not a Jinja template")):
         path.write_text(bad)
         with pytest.raises(EngineError, match=why):
-            chat_template_for("m.gguf", str(path), None, "<s>", "</s>", NAMES, _formatter([]))
+            chat_template_for("m.gguf", str(path), None, TOKENS, NAMES, _formatter([]))
     with pytest.raises(EngineError, match="cannot read"):
-        chat_template_for("m.gguf", str(tmp_path / "gone.jinja"), None, "<s>", "</s>", NAMES, _formatter([]))
+        chat_template_for("m.gguf", str(tmp_path / "gone.jinja"), None, TOKENS, NAMES, _formatter([]))
 
 
 @pytest.mark.unit
@@ -118,14 +120,31 @@ def test_the_gguf_template_serves_unless_set_and_chatml_falls_back_with_a_warnin
         caplog: pytest.LogCaptureFixture) -> None:
     from serving.engine.chat_template import CHATML, TemplateOrigin, chat_template_for
 
-    own = chat_template_for("m.gguf", None, JINJA, "<s>", "</s>", NAMES, _formatter([]))
+    own = chat_template_for("m.gguf", None, JINJA, TOKENS, NAMES, _formatter([]))
     assert own.origin is TemplateOrigin.gguf and own.source == JINJA
     assert not caplog.records
     with caplog.at_level(logging.WARNING, logger="serving"):
-        fallback = chat_template_for("bare.gguf", None, None, "<s>", "</s>", NAMES, _formatter([]))
+        fallback = chat_template_for("bare.gguf", None, None, TOKENS, NAMES, _formatter([]))
     assert fallback.origin is TemplateOrigin.fallback and fallback.source == CHATML
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "bare.gguf" in caplog.text and "falling back to ChatML" in caplog.text and "chat_template" in caplog.text
+
+
+@pytest.mark.unit
+def test_a_jinja_templates_bos_is_dropped_where_tokenising_adds_one(tmp_path: Path) -> None:
+    """As llama-server's --jinja: the template's `{{ bos_token }}` and the tokenizer's BOS would make two."""
+    from serving.engine.chat_template import chat_template_for
+
+    source = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    path = tmp_path / "bos.jinja"
+    path.write_text(source)
+    hi = [{"role": "user", "content": "hi"}]
+    adds = SpecialTokens("<s>", "</s>", adds_bos=True)
+    for setting, gguf in ((None, source), (str(path), None)):
+        assert chat_template_for("m.gguf", setting, gguf, adds, NAMES, _formatter([])).render(hi) == "hi"
+        assert chat_template_for("m.gguf", setting, gguf, TOKENS, NAMES, _formatter([])).render(hi) == "<s>hi"
+    plain = chat_template_for("m.gguf", None, "{{ messages[0].content }}<s>", adds, NAMES, _formatter([]))
+    assert plain.render(hi) == "hi<s>"  # only a leading one
 
 
 # -- llama.cpp's own list and formatter ---------------------------------------------------------------
@@ -174,6 +193,23 @@ def test_gemma_with_its_format_answers_without_chatml_tokens(gemma_engine: Engin
     answer = collect(gemma_engine.submit(tokens, SamplingParams(max_tokens=48, temperature=0.0)))
     assert answer.text.strip() and "<|im_end|>" not in answer.text and "<|im_start|>" not in answer.text
     assert "<start_of_turn>" not in answer.text and "<end_of_turn>" not in answer.text
+
+
+@pytest.mark.engine
+def test_gemma_from_a_jinja_file_starts_with_one_bos(gemma_engine: Engine, tmp_path: Path) -> None:
+    """A Jinja file written as Gemma's own templates are (`{{ bos_token }}` first): one BOS, as llama-server."""
+    path = tmp_path / "gemma.jinja"
+    path.write_text("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n"
+                    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    config = gemma_engine.config
+    try:
+        gemma_engine.reconfigure(config.model_copy(update={"chat_template": str(path)}), timeout=60)
+        assert gemma_engine.chat_template.origin.value == "file"
+        from_file = gemma_engine.tokenize_prompt(gemma_engine.render_chat([{"role": "user", "content": "hi"}]))
+    finally:
+        gemma_engine.reconfigure(config, timeout=60)
+    builtin = gemma_engine.tokenize_prompt(gemma_engine.render_chat([{"role": "user", "content": "hi"}]))
+    assert from_file == builtin and from_file[1] != from_file[0]  # the same prompt: one BOS, then the turn
 
 
 @pytest.mark.engine

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +44,15 @@ class TemplateOrigin(str, Enum):
     fallback = "fallback"  # none of these: ChatML
 
 
+@dataclass(frozen=True)
+class SpecialTokens:
+    """A model's BOS and EOS as templates write them, and whether tokenising a prompt adds the BOS itself."""
+
+    bos: str
+    eos: str
+    adds_bos: bool = False
+
+
 class ChatTemplateError(ValueError):
     """The template rejected the messages (e.g. roles out of order); the message is the template's own."""
 
@@ -68,10 +78,14 @@ class PromptTemplate(Protocol):
 
 
 class ChatTemplate:
-    """A compiled Jinja chat template plus the special tokens templates refer to."""
+    """A compiled Jinja chat template plus the special tokens templates refer to.
+
+    With `strip_bos` (the vocabulary adds a BOS when the prompt is tokenised), a leading BOS the template wrote is
+    taken off, as llama-server does for --jinja: Gemma's and Llama 3's templates open with `{{ bos_token }}`, and
+    the prompt would otherwise start with two."""
 
     def __init__(self, source: str | None, bos_token: str, eos_token: str,
-                 origin: TemplateOrigin = TemplateOrigin.gguf) -> None:
+                 origin: TemplateOrigin = TemplateOrigin.gguf, strip_bos: bool = False) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -79,6 +93,7 @@ class ChatTemplate:
         self.origin = origin if source else TemplateOrigin.fallback
         self._template = env.from_string(self.source)
         self._bos, self._eos = bos_token, eos_token
+        self._strip_bos = strip_bos and bool(bos_token)
 
     @property
     def knows_tools(self) -> bool:
@@ -92,11 +107,12 @@ class ChatTemplate:
         try:
             variables = {**(template_kwargs or {}), "messages": messages, "tools": tools, "bos_token": self._bos,
                          "eos_token": self._eos, "add_generation_prompt": add_generation_prompt}
-            return self._template.render(**variables)
+            prompt = self._template.render(**variables)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from exc
+        return prompt.removeprefix(self._bos) if self._strip_bos else prompt
 
 
 class BuiltinChatTemplate:
@@ -134,7 +150,7 @@ def check_name(setting: str | None, builtin_names: Sequence[str]) -> None:
                           f"({', '.join(builtin_names)}); for a Jinja file, give its path")
 
 
-def chat_template_for(model: str, setting: str | None, gguf_source: str | None, bos_token: str, eos_token: str,
+def chat_template_for(model: str, setting: str | None, gguf_source: str | None, tokens: SpecialTokens,
                       builtin_names: Sequence[str], format_chat: BuiltinFormatter) -> PromptTemplate:
     """The template `model` is served with: the `chat_template` setting (EngineConfig: a built-in name, or an
     absolute path to a Jinja file) over the GGUF's own; ChatML, with a warning, when there is neither.
@@ -145,7 +161,7 @@ def chat_template_for(model: str, setting: str | None, gguf_source: str | None, 
                         "falling back to ChatML (<|im_start|>role ... <|im_end|>); if the model was trained on "
                         "another format, set chat_template to one of llama.cpp's names (e.g. gemma, llama3) or "
                         "to a Jinja file", model)
-        return ChatTemplate(gguf_source, bos_token, eos_token)
+        return ChatTemplate(gguf_source, tokens.bos, tokens.eos, strip_bos=tokens.adds_bos)
     if not Path(setting).is_absolute():  # EngineConfig makes a file's path absolute; anything else is a name
         check_name(setting, builtin_names)
         return BuiltinChatTemplate(setting, format_chat)
@@ -156,6 +172,6 @@ def chat_template_for(model: str, setting: str | None, gguf_source: str | None, 
     if not source.strip():
         raise EngineError(f"chat_template {setting}: the Jinja file is empty")
     try:
-        return ChatTemplate(source, bos_token, eos_token, origin=TemplateOrigin.file)
+        return ChatTemplate(source, tokens.bos, tokens.eos, origin=TemplateOrigin.file, strip_bos=tokens.adds_bos)
     except jinja2.TemplateSyntaxError as exc:
         raise EngineError(f"chat_template {setting}: not a Jinja template: {exc} (line {exc.lineno})") from exc

@@ -36,7 +36,7 @@ from serving.engine.llama import (LlamaContext, LlamaModel, Placement, builtin_c
 
 import numpy as np  # noqa: E402
 
-from serving.engine.chat_template import PromptTemplate, chat_template_for  # noqa: E402
+from serving.engine.chat_template import PromptTemplate, SpecialTokens, chat_template_for  # noqa: E402
 from serving.engine import devices  # noqa: E402
 from serving.engine.config import EngineConfig, default_threads  # noqa: E402
 from serving.engine.fit import budget_for, fit  # noqa: E402
@@ -554,8 +554,9 @@ class Engine:
     @staticmethod
     def _chat_template(model: LlamaModel, config: EngineConfig) -> PromptTemplate:
         """The prompt format `config` asks for on `model`; EngineError for a setting that names none."""
+        tokens = SpecialTokens(model.bos_text, model.eos_text, model.adds_bos)
         template = chat_template_for(model.path.name, config.chat_template, model.metadata("tokenizer.chat_template"),
-                                     model.bos_text, model.eos_text, builtin_chat_templates(), format_builtin_chat)
+                                     tokens, builtin_chat_templates(), format_builtin_chat)
         log.info("chat template of %s: %s %s", model.path.name, template.origin.value, config.chat_template or "")
         return template
 

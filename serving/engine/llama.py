@@ -171,6 +171,7 @@ class LlamaModel:
         self.size_bytes: int = ll.llama_model_size(self.ptr)
         self.bos_text = self.token_text(ll.llama_vocab_bos(self.vocab))
         self.eos_text = self.token_text(ll.llama_vocab_eos(self.vocab))
+        self.adds_bos: bool = ll.llama_vocab_get_add_bos(self.vocab)  # tokenize(add_special=True) adds a BOS
         self._pieces: dict[int, bytes] = {}
         self.guides = Guides(self.vocab, self.n_vocab)
 
