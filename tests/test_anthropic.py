@@ -465,6 +465,25 @@ def test_a_client_that_goes_away_frees_its_slot(served: tuple[str, Any]) -> None
     _wait_idle(engine)
 
 
+@pytest.mark.serve
+def test_the_served_app_answers_anthropic_clients_through_the_ingress(serve_url: str) -> None:
+    """The app `serve run` builds: the replica composes these routes, the ingress relays their events, the
+    OpenAPI schema documents Anthropic's error JSON for them."""
+    import httpx
+
+    client = _sdk(serve_url, api_key="unused")
+    with client.messages.stream(model=MODEL, max_tokens=12, messages=ASK, extra_body={"temperature": 0}) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    whole = client.messages.create(model=MODEL, max_tokens=12, messages=ASK, extra_body={"temperature": 0})
+    assert streamed.strip() and streamed == final.content[0].text == whole.content[0].text
+    assert client.messages.count_tokens(model=MODEL, messages=ASK).input_tokens > 0
+    schema = httpx.get(f"{serve_url}/openapi.json", timeout=30).json()
+    post = schema["paths"]["/v1/messages"]["post"]["responses"]
+    assert "422" not in post and {"400", "401", "529"} <= set(post)
+    assert post["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorBody")
+
+
 # -- engine: a scripted engine for what a real one cannot be made to do ------------------------------
 @pytest.fixture
 def scripted() -> Iterator[Any]:

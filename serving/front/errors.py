@@ -78,6 +78,18 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Anthropic's error JSON, for the OpenAPI schema of the /v1/messages routes."""
+
+    type: str = "error"
+    error: AnthropicErrorDetail
+
+
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """Turn pydantic/FastAPI validation errors into one OpenAI-style 400 naming one bad parameter.
 

@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from serving.engine.errors import EngineStoppedError, PromptTooLongError, QueueFullError
 from serving.engine.request import FinishReason, GenerationChunk, RequestHandle, paced
 from serving.engine.traffic import TrafficTag
-from serving.front.errors import APIError, internal_error
+from serving.front.errors import AnthropicErrorBody, APIError, anthropic_error_type, internal_error
 from serving.front.http import mark_submitted, request_id
 from serving.openai.anthropic_requests import (
     CountTokensRequest, MessagesBody, MessagesRequest, conversation, tools_asked,
@@ -32,8 +32,7 @@ from serving.openai.anthropic_responses import MessageAnswer, matched_stop, sse
 from serving.openai.errors import engine_unavailable, queue_full
 from serving.openai.reasoning import START as THINK_START
 from serving.openai.responses import ChoiceState
-from serving.openai.routes import (ERROR_RESPONSES, RouteHost, ToolPlan, cancel_unless_finished, prepare, rendered,
-                                   tool_plan)
+from serving.openai.routes import RouteHost, ToolPlan, cancel_unless_finished, prepare, rendered, tool_plan
 from serving.openai.structured import GrammarError, json_schema_guide
 
 if TYPE_CHECKING:
@@ -42,6 +41,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("serving")
 OVERLOADED = 529  # Anthropic's status for "overloaded": its SDK and Claude Code retry it after Retry-After
 GENERATION_FAILED = "generation failed"
+_ERRORS = ((400, "invalid request, or blocks or fields this server does not read"), (401, "missing or wrong API key"),
+           (404, "unknown route"), (413, "request body too large"),
+           (500, "internal error (the message holds a request id)"),
+           (503, "model loading (Retry-After says when to retry)"),
+           (OVERLOADED, "the engine's queue is full (Retry-After says when to retry)"))
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {  # what the OpenAPI schema says these routes answer
+    code: {"model": AnthropicErrorBody, "description": f"{anthropic_error_type(code)}: {text}"}
+    for code, text in _ERRORS}
 
 
 @dataclass(frozen=True)
