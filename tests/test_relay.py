@@ -245,6 +245,22 @@ def test_a_cut_responses_stream_ends_with_a_typed_error_event() -> None:
     assert json.loads(last.split("data: ", 1)[1])["type"] == "error"
 
 
+def test_on_anthropics_route_a_lost_replica_is_anthropics_error_json_and_event() -> None:
+    """/v1/messages' clients read Anthropic's error shape: before the answer started, and as the `error` event
+    that ends a cut stream (no `[DONE]`: Anthropic's streams have none)."""
+    from ray.exceptions import ActorDiedError
+    from serving.front.relay import RelayedPart
+
+    refused = _replay([], ActorDiedError(), path="/v1/messages")
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "overloaded_error"
+    cut = _replay([RelayedPart(b"event: message_start\ndata: {}\n\n", True, 200, SSE)], ActorDiedError(),
+                  path="/v1/messages")
+    last = cut.text.strip().split("\n\n")[-1]
+    assert last.startswith("event: error\n") and "[DONE]" not in cut.text
+    event = json.loads(last.split("data: ", 1)[1])
+    assert event["type"] == "error" and event["error"]["type"] == "overloaded_error"
+
+
 @pytest.mark.parametrize("more", [True, False])
 def test_a_cut_whole_answer_is_not_padded(more: bool) -> None:
     from ray.exceptions import ActorDiedError
