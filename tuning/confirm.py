@@ -4,15 +4,17 @@ measured again, interleaved, and picked on paired ratios.
 Repeats of one config spread ~3% on the H200, and a search's winner can lead its runner-up by less than
 that: a pick made on one measurement each may be noise. So after the search the candidates are measured
 `rounds` more times in rotating order (A B C, B C A, C A B, ...: drift on the machine hits every candidate
-alike), each round's figure is divided by the reference's figure of the same round (the article baseline
-when it ran, else the search's own pick), and the pick is made on the medians of those paired ratios. When
-the pick's range of ratios overlaps the runner-up's, the report says the pick is within noise. In place, the
-config the replicas serve is a candidate too (trial number -1 when no trial ran it): a pick must beat what is
-served, and a tie within noise keeps it (a switch would buy nothing measurable).
+alike; the order is measure/design.py's `rotated`, as in the benchmarks), each round's figure is divided by the
+reference's figure of the same round (the article baseline when it ran, else the search's own pick), and the
+pick is made on the medians of those paired ratios. When the pick's range of ratios overlaps the runner-up's,
+the report says the pick is within noise. In place, the config the replicas serve is a candidate too (trial
+number -1 when no trial ran it): a pick must beat what is served, and a tie within noise keeps it (a switch
+would buy nothing measurable).
 
 The whole round is here: which of the study's trials are candidates, where they are measured (on a serving
-replica in place, else on one engine of the tuner's own in a Ray actor), the design and the verdict, and the
-outcome the command reports (`Confirmation`).
+replica in place, else on one engine of the tuner's own in a Ray actor), each round's ratios (kept per round:
+the report shows their range, and the noise test reads it), the verdict, and the outcome the command reports
+(`Confirmation`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from measure.design import rotated
 from measure.workload import Workload
 from serving.engine.config import EngineConfig
 from serving.engine.memory import predict
@@ -82,8 +85,9 @@ class Confirmed:
 
 
 def rotation(round_: int, n: int) -> list[int]:
-    """The order candidates are measured in, in round `round_`: each round starts one later."""
-    return [(i + round_) % n for i in range(n)]
+    """The order candidates are measured in, in round `round_`: each round starts one later (the shared design's
+    rotation: every candidate goes first in turn, and none always right after a switch)."""
+    return rotated(range(n), round_)
 
 
 def confirm(candidates: list[Candidate], reference: int, rounds: int,
