@@ -5,7 +5,9 @@ replicas last told its background watch, and relays every other request to one e
 /slots, /props, /metrics and /traffic. With `ingress=engine` there is no ingress: the engine replicas take HTTP
 themselves.
 
-KEYs are EngineConfig fields (serving/engine/config.py) or ServerOptions fields (serving/replica/options.py). The
+KEYs are EngineConfig fields (serving/engine/config.py) or ServerOptions fields (serving/replica/options.py). A
+model named on the hub (`model=OWNER/REPO:QUANT`) is resolved here, once, to a commit and its files; each replica
+fetches exactly those into its node's cache before it loads (serving/engine/model_store.py). The
 engine config travels as the deployment's `user_config` (the first load, and `serve deploy` with a new file);
 live changes (the tuner's write-back) come through the app's ConfigChannel (serving/replica/control.py), which
 every replica follows: drain, rebuild the llama.cpp context in place, acknowledge. No replica restart, no weight
@@ -34,6 +36,7 @@ from ray import serve
 
 from serving.engine.chat_template import check_name
 from serving.engine.config import EngineConfig, load_engine_config
+from serving.engine.model_store import HubModel, resolve
 from serving.front.http import HttpRules
 from serving.front.ingress import OpenAIIngress
 from serving.replica.control import ConfigChannel
@@ -48,6 +51,7 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 TUNED_CONFIG = REPO_ROOT / "configs" / "tuned.yaml"
 HEAD_NODE = "node:__internal_head__"  # Ray's resource of the head node
 SEPARATE_LOOP_VAR = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"  # Serve's switch, read by each replica
+HUB_VARS = ("HF_ENDPOINT", "HF_TOKEN")  # where a named model was resolved, and with what right: replicas fetch so
 
 
 class AppArgs(BaseModel):
@@ -157,6 +161,25 @@ def replica_env() -> dict[str, Any]:
     return {"env_vars": {SEPARATE_LOOP_VAR: own if own is not None else "0"}}
 
 
+def engine_env(engine_config: EngineConfig) -> dict[str, Any]:
+    """The engine replicas' runtime environment: replica_env's, and for a model named on the hub the hub's
+    endpoint and token as set where the app is built, so that a replica on another node fetches the resolved
+    files from the same place with the same right (Ray starts replicas with their node's environment, not this
+    one's). The cache and HF_HUB_OFFLINE stay each node's own."""
+    env = replica_env()
+    if isinstance(engine_config.model, HubModel):
+        env["env_vars"].update({var: os.environ[var] for var in HUB_VARS if os.environ.get(var)})
+    return env
+
+
+def resolve_model(engine_config: EngineConfig) -> EngineConfig:
+    """The config with a model named on the hub pinned to one commit and its files, once, here: every replica
+    then fetches exactly those, on whatever node it runs (serving/engine/model_store.py)."""
+    if not isinstance(engine_config.model, HubModel) or engine_config.model.resolved:
+        return engine_config
+    return engine_config.model_copy(update={"model": resolve(engine_config.model)})
+
+
 def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Application:
     """The Serve application for one engine config: the ingress with its HTTP rules bound, the engine
     replicas (routing limits, resources), the config channel. The ingress and the channel hold no model and
@@ -166,7 +189,7 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
     replicas = options.num_replicas
     if replicas == "auto":
         replicas = max(gpus, 1)
-    actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica, "runtime_env": replica_env()}
+    actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica, "runtime_env": engine_env(engine_config)}
     if gpus > 0:
         actor_options["num_gpus"] = 1
     engine_deployment: Any = ENGINE_AS_INGRESS if options.ingress is IngressMode.engine else ENGINE_REPLICA
@@ -198,5 +221,7 @@ def main(args: AppArgs) -> serve.Application:
     """
     args = AppArgs.model_validate(args)
     check_name(args.engine.chat_template, _llama.builtin_chat_templates())  # a wrong name fails here, not in a replica
-    log.info("serving %s with %s (from %s)", args.engine.model_path, args.engine, args.config)
-    return build_app(args.engine, args.server)
+    engine = resolve_model(args.engine)  # a name that resolves to no model fails here too
+    model = engine.model if isinstance(engine.model, HubModel) else engine.model_path
+    log.info("serving %s with %s (from %s)", model, engine, args.config)
+    return build_app(engine, args.server)

