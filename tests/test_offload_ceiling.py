@@ -1,4 +1,4 @@
-"""scripts/offload_ceiling.py's arithmetic on a made-up scripts/bench_device.py report (measuring needs a GPU)."""
+"""measure/offload_ceiling.py's arithmetic on a made-up scripts/bench_device.py report (measuring needs a GPU)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import script_module
-
 pytestmark = pytest.mark.unit
 
 GIB = 1024**3
@@ -18,7 +16,9 @@ BASE = {"n_ctx": 4096, "n_parallel": 2, "n_threads": None}
 
 @pytest.fixture(scope="module")
 def ceiling():  # noqa: ANN201
-    yield from script_module("offload_ceiling")
+    from measure import offload_ceiling
+
+    return offload_ceiling
 
 
 def row(config: str, target: str, single: float, multi: float, predicted: int = 0,

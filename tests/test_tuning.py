@@ -735,16 +735,17 @@ def test_bench_memory_reads_configs_refuses_bad_ones_and_reports_each_term(tmp_p
     import argparse
     import json
 
-    for bench in script_module("bench_memory"):
-        config = bench.parse_config("256/2/4096/off", Path("/m.gguf"), 1)
-        assert (config.n_ubatch, config.n_batch, config.n_parallel, config.n_ctx, config.flash_attn) == \
-            (256, 256, 2, 4096, FlashAttn.off)
-        assert not config.kv_unified and bench.parse_config("256/2/4096/off/unified", Path("/m.gguf"), 1).kv_unified
-        for bad in ("256/2/4096", "a/2/4096/on", "256/2/4096/maybe", "0/2/4096/on", "256/2/4096/on/shared"):
-            with pytest.raises(argparse.ArgumentTypeError):
-                bench.parse_config(bad, Path("/m.gguf"), 1)
-        assert bench.main(["--config", "64/1/1024/on", "--json-out", str(tmp_path / "m.json")]) == 0
-        (row,) = json.loads((tmp_path / "m.json").read_text())["rows"]
-        assert row["config"] == "64/1/1024/on"
-        assert row["weights_mib"] == pytest.approx(row["weights_predicted_mib"], rel=0.01)
-        assert 1.0 <= row["compute_ratio"] <= 1.07
+    from measure import memory_terms as bench
+
+    config = bench.parse_config("256/2/4096/off", Path("/m.gguf"), 1)
+    assert (config.n_ubatch, config.n_batch, config.n_parallel, config.n_ctx, config.flash_attn) == \
+        (256, 256, 2, 4096, FlashAttn.off)
+    assert not config.kv_unified and bench.parse_config("256/2/4096/off/unified", Path("/m.gguf"), 1).kv_unified
+    for bad in ("256/2/4096", "a/2/4096/on", "256/2/4096/maybe", "0/2/4096/on", "256/2/4096/on/shared"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_config(bad, Path("/m.gguf"), 1)
+    assert bench.main(["--config", "64/1/1024/on", "--json-out", str(tmp_path / "m.json")]) == 0
+    (row,) = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert row["config"] == "64/1/1024/on"
+    assert row["weights_mib"] == pytest.approx(row["weights_predicted_mib"], rel=0.01)
+    assert 1.0 <= row["compute_ratio"] <= 1.07
