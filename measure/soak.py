@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-HEALTH_BOUND_S = 1.0
+HEALTH_BOUND_S = 1.0  # seconds: a /health answer this slow or slower counts as a violation
 
 
 # -- one request, and what the client saw ------------------------------------------------------------
