@@ -416,12 +416,14 @@ def test_the_kv_layout_is_searched_only_where_there_are_slots_to_share_it() -> N
 
 
 @pytest.mark.unit
-def test_contexts_below_the_minimum_are_dropped() -> None:
+def test_contexts_below_the_minimum_or_over_the_trained_length_are_dropped(capsys: pytest.CaptureFixture[str]) -> None:
     space = SearchSpace(ctx_per_slot=[512, 1024, 4096, 2048])
     assert space.contexts(1024) == [1024, 2048, 4096]
     assert space.contexts(1) == [512, 1024, 2048, 4096]
-    with pytest.raises(ValueError, match="min-ctx-per-slot"):
-        space.contexts(8192)
+    assert space.contexts(1, longest=2048) == [512, 1024, 2048]
+    # a request longer than the space: the study searches at its length, and says so, never refuses
+    assert space.contexts(8192) == [8192] and "searching 8192 tokens per slot" in capsys.readouterr().err
+    assert SearchSpace.from_yaml(None).contexts(2048)[-2:] == [65536, 131072]  # agent-sized contexts
     with pytest.raises(ValueError):
         SearchSpace(n_parallel=[])
     assert SearchSpace(flash_attn=[True, False]).flash_attn == [FlashAttn.on, FlashAttn.off]  # YAML on/off

@@ -13,7 +13,9 @@ import os
 from dataclasses import dataclass
 
 from measure.workload import Workload
-from serving.engine.config import CacheType, EngineConfig, FlashAttn, SpecMode, default_threads, load_engine_config
+from serving.engine.config import (AutoSetting, CacheType, EngineConfig, FlashAttn, SpecMode, default_threads,
+                                   load_engine_config)
+from serving.engine.fit import DeviceKind, FitBudget, fit
 from tuning.errors import UserError
 from tuning.gpus import TrialSlots, free_gpu_places
 from serving.engine.memory import GiB, ModelShape, parse_bytes, predict
@@ -84,13 +86,10 @@ def study_plan(opts: SearchOptions, app: ServingApp | None, total: int, free: in
     base = app.serving if app is not None else base_config(opts)
     shape, space = model_and_space(opts, base)
     min_ctx = least_context(opts, shape, traffic)
-    try:
-        contexts = space.contexts(min_ctx)
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
     slots = trial_slots(opts, total, free, app)
     on_gpu = choose_device(opts, total, free, app, slots)
     budget = budget_bytes(opts, on_gpu, app.gpu_memory_total if app is not None else slots.gpu_memory_total)
+    contexts = affordable_contexts(shape, base, space, space.contexts(min_ctx, shape.n_ctx_train), budget, on_gpu)
     check_possible(shape, base, space, contexts[0], budget, on_gpu)
     threads = (app.threads if app is not None else slots.threads) or default_threads()
     placement = placement_search(shape, base, budget, on_gpu, space, contexts[0], threads)
@@ -234,6 +233,24 @@ def cheapest_config(base: EngineConfig, space: SearchSpace, ctx: int) -> EngineC
               "ctx_per_slot": ctx, "type_k": kv.value, "type_v": kv.value,
               "flash_attn": FlashAttn.on.value}
     return to_engine_config(params, base)
+
+
+def affordable_contexts(shape: ModelShape, base: EngineConfig, space: SearchSpace, contexts: list[int], budget: int,
+                        on_gpu: bool) -> list[int]:
+    """The space's contexts a slot can have within the budget: the least always (check_possible judges it), a
+    longer one where the space's cheapest config holds it in one slot beside the weights placed as the engine's
+    fit at start places them (serving/engine/fit.py: the weights first, then the context in what they leave).
+    A longer one would be refused trial by trial, or would push weights off the GPU for a context no config
+    holds fast; the agent-sized values of the space (64k, 128k) stay where the model and memory allow them."""
+    cheapest = cheapest_config(base, space, contexts[0]).model_copy(update={"n_parallel": 1})
+    asked = cheapest.model_copy(update={"auto": frozenset({AutoSetting.n_gpu_layers, AutoSetting.n_ctx})})
+    kind = DeviceKind.gpu if on_gpu else DeviceKind.cpu
+    longest = fit(shape, asked, FitBudget(kind, budget, "the study's budget")).config.n_ctx_per_slot
+    kept = [c for c in contexts if c == contexts[0] or c <= longest]
+    if len(kept) < len(contexts):
+        print(f"contexts per slot: {kept} (the budget holds at most {longest} tokens a slot beside the weights)",
+              flush=True)
+    return kept
 
 
 def check_possible(shape: ModelShape, base: EngineConfig, space: SearchSpace, ctx: int, budget: int,

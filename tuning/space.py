@@ -1,19 +1,20 @@
 """The search space (overridable from YAML) and its validity rules, as an Optuna define-by-run function.
 
-Every point it proposes is a valid EngineConfig: n_ubatch is clamped to n_batch, a quantised V cache forces
-flash attention on, context is searched per slot and never below `min_ctx_per_slot` (the tuner must not
-win by starving context), placement is set only when the weights do not fit the budget with the smallest
-config: then each point's placement is the most of the model its other settings leave room for (`PlacementFit`:
-for a mixture of experts the fewest layers whose experts live in host memory, `n_cpu_moe`, taken from the first
-layers or the last (`expert_end`, searched); else the most layers on the GPU, `n_gpu_layers`), and `n_threads`
-for what the CPU computes is searched (the space's list, else `thread_choices`, unless the base config sets it),
-and speculative decoding (`spec_mode`) only when the space lists more than `off`, its draft bound and busy-slot
-limit only for the configs that speculate (measure it with `--prompt-set both`: prompt lookup pays on text
-that copies its prompt).
+Every point it proposes is a valid EngineConfig: n_ubatch is clamped to n_batch, a quantised V cache forces flash
+attention on, context is searched per slot and never below `min_ctx_per_slot` (the tuner must not win by starving
+context), up to agent-sized contexts (64k and 128k a slot) where the model and memory allow, placement is set only
+when the weights do not fit the budget with the smallest config: then each point's placement is the most of the
+model its other settings leave room for (`PlacementFit`: for a mixture of experts the fewest layers whose experts
+live in host memory, `n_cpu_moe`, taken from the first layers or the last (`expert_end`, searched); else the most
+layers on the GPU, `n_gpu_layers`), and `n_threads` for what the CPU computes is searched (the space's list, else
+`thread_choices`, unless the base config sets it), and speculative decoding (`spec_mode`) only when the space lists
+more than `off`, its draft bound and busy-slot limit only for the configs that speculate (measure it with
+`--prompt-set both`: prompt lookup pays on text that copies its prompt).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -37,7 +38,9 @@ class SearchSpace(BaseModel):
     n_parallel: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
     n_batch: list[int] = Field(default_factory=lambda: [128, 256, 512, 1024, 2048])
     n_ubatch: list[int] = Field(default_factory=lambda: [128, 256, 512, 1024, 2048])
-    ctx_per_slot: list[int] = Field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    ctx_per_slot: list[int] = Field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072],
+                                    description="tokens per slot; those over the model's trained length, or more "
+                                    "than the budget holds beside the weights, are dropped (tuning/plan.py)")
     type_k: list[CacheType] = Field(default_factory=lambda: [CacheType.f16, CacheType.q8_0, CacheType.q4_0])
     type_v: list[CacheType] = Field(default_factory=lambda: [CacheType.f16, CacheType.q8_0, CacheType.q4_0])
     flash_attn: list[FlashAttn] = Field(default_factory=lambda: [FlashAttn.on, FlashAttn.off])
@@ -98,15 +101,18 @@ class SearchSpace(BaseModel):
             raise FileNotFoundError(f"search space file {path} not found")
         return cls(**(yaml.safe_load(path.read_text()) or {}))
 
-    def contexts(self, min_ctx_per_slot: int) -> list[int]:
-        """Per-slot contexts allowed: at least `min_ctx_per_slot`."""
-        allowed = [c for c in self.ctx_per_slot if c >= min_ctx_per_slot]
-        if not allowed:
-            raise ValueError(
-                f"no ctx_per_slot value in the search space is >= --min-ctx-per-slot {min_ctx_per_slot} "
-                f"(space has {self.ctx_per_slot}): add larger values or lower --min-ctx-per-slot"
-            )
-        return allowed
+    def contexts(self, min_ctx_per_slot: int, longest: int = 0) -> list[int]:
+        """Per-slot contexts allowed: at least `min_ctx_per_slot` and at most `longest` (the model's trained
+        length; 0: unknown). Where the space has none as long as the least (a recorded request longer than the
+        space), that least itself is the one context searched, with a warning: a study never refuses to run
+        for the space's list."""
+        allowed = [c for c in self.ctx_per_slot if min_ctx_per_slot <= c <= (longest or c)]
+        if allowed:
+            return allowed
+        print(f"warning: no ctx_per_slot of the search space ({self.ctx_per_slot}) is >= {min_ctx_per_slot} "
+              f"tokens{f' and <= the trained {longest}' if longest else ''}: searching {min_ctx_per_slot} "
+              "tokens per slot only (add values to the space for more)", file=sys.stderr)
+        return [min_ctx_per_slot]
 
 
 EXPERT_END = "expert_end"  # drawn, and in a trial's settings, but what the engine gets is n_cpu_moe and cpu_moe_start

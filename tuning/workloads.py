@@ -97,7 +97,8 @@ def traffic_plan(opts: SearchOptions, app: ServingApp | None,
 def least_context(opts: SearchOptions, shape: ModelShape, traffic: TrafficPlan | None) -> int:
     """Tokens every slot must hold: --min-ctx-per-slot, else min(2048, the model's training context) raised to
     the workload's largest request (a config with less would fail it). An explicit value below that is kept,
-    with a warning: those configs fail some requests, and the SLO counts them."""
+    with a warning: those configs fail some requests, and the SLO counts them. So is a request longer than the
+    model was trained for: the least is then the trained length, and the study runs."""
     default = min(2048, shape.n_ctx_train or 2048)
     need = traffic.workload.max_context if traffic is not None else 0
     if opts.min_ctx_per_slot is not None:
@@ -106,6 +107,8 @@ def least_context(opts: SearchOptions, shape: ModelShape, traffic: TrafficPlan |
                   "largest request needs: configs with less context per slot fail it", file=sys.stderr)
         return opts.min_ctx_per_slot
     if shape.n_ctx_train and need > shape.n_ctx_train:
-        raise UserError(f"the workload's largest request needs {need} tokens of context, over the model's "
-                        f"training context of {shape.n_ctx_train}")
+        print(f"warning: the workload's largest request needs {need} tokens of context, over the model's training "
+              f"context of {shape.n_ctx_train}: slots hold {shape.n_ctx_train}, and the requests longer fail in "
+              "every config (the SLO counts them)", file=sys.stderr)
+        return shape.n_ctx_train
     return max(default, need)
