@@ -28,6 +28,10 @@ is the same):
     python3 scripts/bench_device.py --model /tmp/moe.gguf --llama-server build/bin/llama-server \
         --configs article --placement 'cpu-moe40:n_cpu_moe=40' --fit-budget 8GiB --skip-http
 
+Our own fit at start beside it is a placement that leaves the weights `auto` at the same budget
+(`--placement 'fit:n_gpu_layers=auto,vram_budget=8GiB'`); a config with `auto` settings is predicted, and given
+to llama-server, as the engine sizes it (its `sized_config` in the report).
+
 Progress goes to stderr, the table to stdout. SIGTERM stops the run cleanly and still prints the table.
 """
 
@@ -60,6 +64,8 @@ from measure.provenance import provenance  # noqa: E402
 from measure.targets import llama_server, llama_server_flags, llama_server_version  # noqa: E402
 from measure.workload import Runner, Workload  # noqa: E402
 from serving.engine.config import EngineConfig, embedded_model_path, load_engine_config  # noqa: E402
+from serving.engine.devices import available_memory, visible_gpus  # noqa: E402
+from serving.engine.fit import budget_for, fit  # noqa: E402
 from serving.engine.memory import MiB, ModelShape, parse_bytes, predict  # noqa: E402
 
 SINGLE, MULTI = 1, 4
@@ -133,12 +139,22 @@ class Run:
 
     def fit_flags(self, name: str) -> tuple[str, ...]:
         """llama-server --fit's command for a config: its flags less the placement, which --fit decides."""
-        return tuple(without_placement(llama_server_flags(self.config(name))))
+        return tuple(without_placement(llama_server_flags(self.sized(name))))
 
     def config(self, name: str) -> EngineConfig:
         config = self.configs.get(name) or CONFIGS[name]
         return config.model_copy(update={"model": self.args.model,
                                          "n_threads": self.args.threads or config.n_threads})
+
+    def sized(self, name: str) -> EngineConfig:
+        """A config as our engine will run it: the settings it leaves `auto` sized as the engine sizes them when it
+        loads (serving/engine/fit.py), from the memory found now; so the prediction, llama-server's flags and its
+        --fit run (which decides only the placement) are at the context our engine takes."""
+        config = self.config(name)
+        if config.sized or self.shape is None:
+            return config
+        found = budget_for(config, visible_gpus() if self.gpu is not None else (), available_memory())
+        return fit(self.shape, config, found).config
 
     @property
     def workload(self) -> Workload:
@@ -268,9 +284,11 @@ def ensure_serve(run: Run) -> None:
 async def bench_config(run: Run, name: str) -> None:
     """One config on every enabled target, one engine at a time."""
     a, config = run.args, run.config(name)
-    predicted = predict(run.shape, config, on_gpu=run.gpu is not None).as_dict() if run.shape else None
+    sized = run.sized(name)
+    predicted = predict(run.shape, sized, on_gpu=run.gpu is not None).as_dict() if run.shape else None
     entry = run.report["configs"].setdefault(name, {"engine_config": config.to_yaml_dict(), "predicted": predicted,
-                                                    "server_args": llama_server_flags(config), "targets": {}})
+                                                    "sized_config": sized.to_yaml_dict(),
+                                                    "server_args": llama_server_flags(sized), "targets": {}})
     fitted: Callable[[Run, str, dict[str, Any]], Awaitable[None]] = functools.partial(bench_llama_server, fit=True)
     steps: list[tuple[str, Callable[[Run, str, dict[str, Any]], Awaitable[None]], bool]] = [
              ("llama-server", bench_llama_server, not (a.skip_llama_server or a.fit_only)),

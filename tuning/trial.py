@@ -127,7 +127,7 @@ class ConfirmEngine:
     def measure(self, config: EngineConfig, measure: SpeedMeasure) -> SpeedFigures:
         if self.engine is None:
             self.engine = Engine(config)
-        elif config != self.engine.config:
+        elif config != self.engine.requested:  # as asked, `auto` settings and all (engine.config is sized)
             self.engine.reconfigure(config)
         return measure(self.engine)
 
