@@ -158,7 +158,8 @@ class EngineHost:
 
     def _load(self, config: EngineConfig) -> None:
         try:
-            fetch_model(config)  # /health says loading meanwhile
+            fetch_model(config)  # /health says loading meanwhile; a stalled transfer fails on the hub's timeouts
+            self._load_started = time.monotonic()  # load_timeout_s bounds the load, not a long download
             if not config.model_path.is_file():  # a node of a cluster without the file: say which, and where
                 raise FileNotFoundError(f"the model file {config.model_path} is not on {self._node}: copy it there "
                                         "(every node that runs a replica needs it at the same path)")
