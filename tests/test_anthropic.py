@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -334,13 +335,13 @@ def _served(app: Any) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def served(engine: Any) -> Iterator[tuple[str, Any]]:
+def served(engine: Any) -> Iterator[tuple[str, _Host]]:
     """The real app over the session's engine, keyed (as `serve run ... api_key=...` serves it)."""
     from serving.front.http import HttpRules
 
     host = _Host(engine)
     with _served(HttpRules("sekrit").around(host.api)) as url:
-        yield url, engine
+        yield url, host
 
 
 def _sdk(url: str, **kw: Any) -> Any:
@@ -356,16 +357,23 @@ def _wait_idle(engine: Any) -> None:
         time.sleep(0.05)
 
 
+def _cancelled(host: _Host) -> float:
+    """Requests the routes cancelled (their client went away), as the replica's metrics count them."""
+    found = re.search(r'^llm_requests_total\{[^}]*reason="cancelled"[^}]*\} (\S+)$', host.metrics.exposition().decode(),
+                      re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
 @pytest.mark.engine
-def test_the_sdk_gets_a_message_and_the_same_text_streamed(served: tuple[str, Any]) -> None:
-    url, engine = served
+def test_the_sdk_gets_a_message_and_the_same_text_streamed(served: tuple[str, _Host]) -> None:
+    url, host = served
     client = _sdk(url)
     message = client.messages.create(model=MODEL, max_tokens=24, messages=ASK, extra_body={"temperature": 0},
                                      extra_headers={"anthropic-version": "2023-06-01"})
-    assert message.id.startswith("msg_") and message.model == engine.config.served_name
+    assert message.id.startswith("msg_") and message.model == host.engine.config.served_name
     assert message.stop_reason in ("end_turn", "max_tokens") and message.content[0].type == "text"
     text = message.content[0].text
     assert text.strip() and message.usage.output_tokens > 0
@@ -382,7 +390,7 @@ def test_the_sdk_gets_a_message_and_the_same_text_streamed(served: tuple[str, An
 
 
 @pytest.mark.engine
-def test_an_agents_tool_loop_end_to_end(served: tuple[str, Any]) -> None:
+def test_an_agents_tool_loop_end_to_end(served: tuple[str, _Host]) -> None:
     """Asked with a tool it must use (`any`), the model calls it; given the result, it answers in text."""
     url, _ = served
     client = _sdk(url)
@@ -408,7 +416,7 @@ def test_an_agents_tool_loop_end_to_end(served: tuple[str, Any]) -> None:
 
 
 @pytest.mark.engine
-def test_a_stop_sequence_ends_the_answer_and_is_named(served: tuple[str, Any]) -> None:
+def test_a_stop_sequence_ends_the_answer_and_is_named(served: tuple[str, _Host]) -> None:
     url, _ = served
     client = _sdk(url)
     text = client.messages.create(model=MODEL, max_tokens=24, messages=ASK,
@@ -421,7 +429,7 @@ def test_a_stop_sequence_ends_the_answer_and_is_named(served: tuple[str, Any]) -
 
 
 @pytest.mark.engine
-def test_refusals_are_anthropic_errors_and_the_server_keeps_serving(served: tuple[str, Any]) -> None:
+def test_refusals_are_anthropic_errors_and_the_server_keeps_serving(served: tuple[str, _Host]) -> None:
     import anthropic
     import httpx
 
@@ -452,17 +460,20 @@ def test_refusals_are_anthropic_errors_and_the_server_keeps_serving(served: tupl
 
 
 @pytest.mark.engine
-def test_a_client_that_goes_away_frees_its_slot(served: tuple[str, Any]) -> None:
+def test_a_client_that_goes_away_frees_its_slot(served: tuple[str, _Host]) -> None:
     import httpx
 
-    url, engine = served
-    body = {"model": MODEL, "max_tokens": 400, "stream": True, "messages": ASK,
-            "system": "Write a very long story.", "temperature": 1.0}
+    url, host = served
+    _wait_idle(host.engine)
+    cancelled = _cancelled(host)
+    body = {"model": MODEL, "max_tokens": 900, "stream": True, "temperature": 0,  # greedy: 900 tokens, no EOS
+            "messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}]}
     with httpx.stream("POST", f"{url}/v1/messages", json=body, headers={"x-api-key": "sekrit"}) as resp:
         for line in resp.iter_lines():
             if line.startswith("event: content_block_delta"):
                 break
-    _wait_idle(engine)
+    _wait_idle(host.engine)
+    assert _cancelled(host) == cancelled + 1, "the request ran on for nobody"
 
 
 @pytest.mark.serve
