@@ -159,3 +159,24 @@ def test_a_lookup_among_many_states_with_one_opening_compares_only_the_deepest()
     other = cache.best(system + [1, 2, 3])
     assert other is not None and other[1] == 200
     assert not cache.worth_saving(states[7][:230]), "a stored state extends it"
+
+
+def test_where_the_memory_cannot_be_cut_only_a_state_the_prompt_extends_serves() -> None:
+    """A recurrent state is at its last token: it serves a prompt that continues all of it (the longest such
+    one, and never one the prompt ends inside, whose last token must be decoded again for its logits), and
+    a longer stored state does not make a shorter history already saved."""
+    cache = PromptCache(limit_bytes=1000, min_tokens=2)
+    long_one = list(range(1, 41))
+    assert cache.put(long_one, state(b"l" * 10))
+    going_back = long_one[:20] + [99]
+    entry, shared = cache.best(going_back) or (None, 0)
+    assert entry is not None and shared == 20  # cut back, as attention cells can be
+    assert cache.best(going_back, cuts=False) is None
+    assert cache.best(long_one, cuts=False) is None  # the same prompt: its last token is decoded again
+    assert cache.put([7, 8, 9], state(b"s" * 10)) and cache.put(list(range(1, 17)), state(b"m" * 10))
+    entry, shared = cache.best(long_one + [5], cuts=False) or (None, 0)
+    assert entry is not None and entry.tokens == tuple(long_one) and shared == 40
+    entry, shared = cache.best(long_one[:30], cuts=False) or (None, 0)
+    assert entry is not None and entry.tokens == tuple(range(1, 17)) and shared == 16
+    assert not cache.worth_saving(long_one[:25]) and cache.worth_saving(long_one[:25], cuts=False)
+    assert not cache.worth_saving(long_one, cuts=False)  # the same tokens are stored

@@ -2,6 +2,9 @@
 
 The fake keeps its own K/V record per sequence and checks every batch against it (positions contiguous,
 no sequence over its cells), so the scheduler's `slot.cache` is checked against what a context would hold.
+It keeps llama.cpp's rules for each memory kind too: a recurrent or hybrid state cannot be cut inside its
+tokens (`forget` returns False, nothing changed), and a sliding window drops the cells its last position no
+longer attends to (`pos_min`); a batch decoded onto cells that do not hold what it attends to fails the test.
 Its "model" is deterministic: the next token after t is (t + 1) % VOCAB, unless a test says otherwise.
 """
 
@@ -18,7 +21,7 @@ import pytest
 from serving.engine.output import OutputProcessor
 from serving.engine.prompt_cache import PromptCache, PromptPrices, StateBuffer
 from serving.engine.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams
-from serving.engine.scheduler import DECODE_FAILED, SAMPLER_FAILED, RequestOutput, Scheduler
+from serving.engine.scheduler import DECODE_FAILED, SAMPLER_FAILED, MemoryKind, RequestOutput, Scheduler
 
 pytestmark = pytest.mark.unit
 
@@ -58,6 +61,9 @@ class FakeContext:
     samplers: list[FakeSampler] = field(default_factory=list)
     saves: list[int] = field(default_factory=list)  # slots whose state was saved, in order
     refuse_loads: bool = False
+    memory_kind: MemoryKind = MemoryKind.kv
+    n_swa: int = 0
+    held_from: dict[int, int] = field(default_factory=dict)  # seq -> first position a sliding window still holds
 
     @property
     def batch_size(self) -> int:
@@ -81,7 +87,12 @@ class FakeContext:
             cells = self.kv.setdefault(seq, [])
             assert pos == len(cells), f"seq {seq}: position {pos} after {len(cells)} cached tokens"
             assert pos < self.n_ctx_seq, f"seq {seq} overflows its {self.n_ctx_seq} cells"
+            if self.n_swa:  # position pos attends to pos - n_swa + 1 on
+                assert max(pos - self.n_swa + 1, 0) >= self.held_from.get(seq, 0), f"seq {seq}: window lost"
             cells.append(token)
+        if self.n_swa:  # what llama.cpp may overwrite without swa_full: cells before the last one's window
+            for seq, cells in self.kv.items():
+                self.held_from[seq] = max(self.held_from.get(seq, 0), len(cells) - self.n_swa)
         return 0
 
     def greedy(self, row: int) -> int:
@@ -96,11 +107,25 @@ class FakeContext:
         self.samplers.append(sampler)
         return sampler
 
-    def forget(self, seq_id: int, from_pos: int = 0) -> None:
-        del self.kv.setdefault(seq_id, [])[from_pos:]
+    def forget(self, seq_id: int, from_pos: int = 0) -> bool:
+        cells = self.kv.setdefault(seq_id, [])
+        if 0 < from_pos < len(cells) and not self.memory_kind.cuts:
+            return False  # llama_memory_seq_rm of a recurrent state's partial range
+        del cells[from_pos:]
+        if from_pos == 0 or from_pos <= self.held_from.get(seq_id, 0):
+            cells.clear()
+            self.held_from[seq_id] = 0
+        return True
+
+    def pos_min(self, seq_id: int) -> int:
+        cells = self.kv.get(seq_id, [])
+        if not cells:
+            return -1
+        return len(cells) - 1 if not self.memory_kind.cuts else self.held_from.get(seq_id, 0)
 
     def copy_seq(self, src: int, dst: int) -> None:
         self.kv[dst] = list(self.kv[src])
+        self.held_from[dst] = self.held_from.get(src, 0)
 
     def is_eog(self, token: int) -> bool:
         return token == EOS
@@ -111,7 +136,7 @@ class FakeContext:
 
     def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview:
         self.saves.append(seq_id)
-        data = json.dumps(self.kv.get(seq_id, [])).encode()
+        data = json.dumps([self.held_from.get(seq_id, 0), self.kv.get(seq_id, [])]).encode()
         buffer = buffer_for(len(data))
         buffer[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         return memoryview(buffer)[:len(data)]
@@ -120,7 +145,7 @@ class FakeContext:
         if self.refuse_loads:
             return False
         assert not self.kv.get(seq_id), "a state is restored into an emptied slot"
-        self.kv[seq_id] = json.loads(bytes(state))
+        self.held_from[seq_id], self.kv[seq_id] = json.loads(bytes(state))
         return True
 
 
@@ -866,3 +891,148 @@ def test_the_scheduler_prices_its_saves_and_long_prefills_as_it_runs() -> None:
     _turns(s, ctx, [list(range(1000, 1300))])  # the short prompt's slot is saved: priced
     assert cache.prices.save_s_per_token is not None and cache.prices.save_s_per_token > 0
     assert cache.prices.prefill_s_per_token is not None and cache.prices.prefill_s_per_token > 0
+
+
+# -- memory kinds ------------------------------------------------------------------------------------
+CANNOT_CUT = [MemoryKind.recurrent, MemoryKind.hybrid]
+
+
+def _kind(kind: MemoryKind, n_parallel: int = 1, n_swa: int = 0,
+          prompt_cache: PromptCache | None = None) -> tuple[Scheduler, FakeContext]:
+    ctx = FakeContext(memory_kind=kind, n_swa=n_swa)
+    return Scheduler(ctx, n_parallel, default_seed=1, prompt_cache=prompt_cache), ctx
+
+
+def _one(s: Scheduler, ctx: FakeContext, prompt: list[int], max_tokens: int = 3) -> RequestOutput:
+    """One request run to its end: its final output (the test fails on an error)."""
+    r = req(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    s.add([r])
+    out = run(s, ctx)
+    end = ends(out)[r.id]
+    assert end.error is None and end.finish == FinishReason.length, end
+    return end
+
+
+def _cold(kind: MemoryKind, prompt: list[int], n_swa: int = 0) -> list[int]:
+    s, ctx = _kind(kind, n_swa=n_swa)
+    r = req(prompt, SamplingParams(max_tokens=3, temperature=0.0))
+    s.add([r])
+    return tokens_of(run(s, ctx), r)
+
+
+@pytest.mark.parametrize("kind", CANNOT_CUT)
+def test_a_recurrent_state_is_reused_only_where_the_prompt_extends_all_of_it(kind: MemoryKind) -> None:
+    """A follow-up that continues the slot's every token reuses them all; going back (a prompt sharing less
+    than the slot holds: a regenerated answer, an edited turn) and the same prompt again prefill from the
+    start, since llama.cpp cannot cut the state; the fake fails any batch decoded onto a state that is not
+    exactly the prompt's prefix, and no cut is ever asked of it."""
+    s, ctx = _kind(kind)
+    history = list(range(1, 21))
+    _one(s, ctx, history)
+    held = list(s.slots[0].cache)
+    assert len(held) == 22  # the prompt and two of its three answer tokens (the last is not decoded)
+    assert _one(s, ctx, held + [50, 51]).usage.cached_tokens == 22
+    back = history[:15] + [60, 61]
+    r = req(back, SamplingParams(max_tokens=3, temperature=0.0))
+    s.add([r])
+    out = run(s, ctx)
+    assert ends(out)[r.id].usage.cached_tokens == 0 and tokens_of(out, r) == _cold(kind, back)
+    again = list(s.slots[0].cache)[:len(back)]
+    assert _one(s, ctx, again).usage.cached_tokens == 0  # its last token needs decoding: not cuttable either
+    assert s.counters.prefixes_refused == 0
+
+
+@pytest.mark.parametrize("kind", CANNOT_CUT)
+def test_going_back_takes_another_slot_and_leaves_the_history_where_its_next_turn_finds_it(
+        kind: MemoryKind) -> None:
+    s, ctx = _kind(kind, n_parallel=2)
+    history = list(range(1, 21))
+    _one(s, ctx, history)
+    holder = next(slot for slot in s.slots if slot.cache)
+    kept = list(holder.cache)
+    _one(s, ctx, history[:15] + [60, 61])  # shares 15 tokens: no reason to empty the history's slot
+    assert holder.cache == kept
+    assert _one(s, ctx, kept + [70]).usage.cached_tokens == len(kept)
+
+
+@pytest.mark.parametrize("kind", CANNOT_CUT)
+def test_a_refused_cut_empties_the_slot_and_prefills_from_the_start(kind: MemoryKind) -> None:
+    """Where llama.cpp refuses a cut the scheduler did not expect to fail (a slot counted as reusable), the
+    slot is emptied and the prompt prefilled whole: never decoded onto the uncut state."""
+    s, ctx = _kind(kind)
+    _one(s, ctx, list(range(1, 21)))
+    slot = s.slots[0]
+    prompt = list(slot.cache[:10]) + [70, 71]
+    r = req(prompt, SamplingParams(max_tokens=3, temperature=0.0))
+    s._assign(slot, r, 10)  # as if the slot had been picked for its 10 shared tokens
+    assert slot.cache == [] and ctx.kv[0] == [] and slot.usage.cached_tokens == 0
+    assert s.counters.prefixes_refused == 1
+
+
+def test_a_sliding_window_keeps_a_prefix_only_while_its_window_is_held() -> None:
+    """Without full-size window cells llama.cpp overwrites the cells before the last position's window: a
+    follow-up extending the slot, or going back one token, still finds what it attends to; going back
+    further finds the window's first cells gone and prefills from the start, with the tokens a cold slot
+    gives (the fake fails a batch whose window is not held)."""
+    s, ctx = _kind(MemoryKind.swa, n_swa=8)
+    history = list(range(1, 31))
+    _one(s, ctx, history)
+    held = list(s.slots[0].cache)
+    assert ctx.pos_min(0) == len(held) - 8
+    assert _one(s, ctx, held + [40]).usage.cached_tokens == len(held)
+    held = list(s.slots[0].cache)
+    one_back = held[:-1] + [41, 42]
+    assert _one(s, ctx, one_back).usage.cached_tokens == len(held) - 1
+    far_back = history[:20] + [43, 44]
+    r = req(far_back, SamplingParams(max_tokens=3, temperature=0.0))
+    s.add([r])
+    out = run(s, ctx)
+    assert ends(out)[r.id].usage.cached_tokens == 0 and s.counters.prefixes_refused == 1
+    assert tokens_of(out, r) == _cold(MemoryKind.swa, far_back, n_swa=8)
+
+
+def test_a_sliding_window_that_holds_every_cell_goes_back_anywhere() -> None:
+    """With full-size window cells (llama.cpp's swa_full, the context's default) pos_min stays 0: any
+    prefix is kept, as for plain attention."""
+    s, ctx = _kind(MemoryKind.swa, n_swa=0)
+    _one(s, ctx, list(range(1, 31)))
+    assert _one(s, ctx, list(range(1, 11)) + [50]).usage.cached_tokens == 10
+
+
+@pytest.mark.parametrize("kind", CANNOT_CUT)
+def test_the_prompt_cache_restores_a_recurrent_state_only_into_a_prompt_that_extends_it(kind: MemoryKind) -> None:
+    """A stored state serves a prompt that continues all of it (restored, then only the rest prefilled);
+    a prompt going back inside it gets no restore (its state is past that point) and prefills whole."""
+    cache = PromptCache(limit_bytes=1 << 20, min_tokens=4)
+    s, ctx = _kind(kind, prompt_cache=cache)
+    a, b = [10 + i for i in range(12)], [40 + i for i in range(12)]
+    _one(s, ctx, a, max_tokens=2)
+    a_held = list(s.slots[0].cache)
+    _one(s, ctx, b, max_tokens=2)  # takes the only slot: a's state is saved first
+    assert cache.stats().entries == 1
+    inside = a[:8] + [90]
+    assert _one(s, ctx, inside).usage.cached_tokens == 0 and cache.stats().hits == 0
+    back = _one(s, ctx, a_held + [91, 92])
+    assert back.usage.cached_tokens == len(a_held) and cache.stats().hits == 1
+
+
+@pytest.mark.parametrize("kind", CANNOT_CUT)
+def test_no_guesses_where_the_memory_cannot_drop_the_rejected_ones(kind: MemoryKind) -> None:
+    from serving.engine.speculate import SpecSettings
+
+    ctx = FakeContext(memory_kind=kind)
+    s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4))
+    r = req([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=6, temperature=0.0))
+    s.add([r])
+    assert ends(run(s, ctx))[r.id].error is None
+    assert s.counters.spec_drafted == 0
+
+
+@pytest.mark.parametrize("kind", CANNOT_CUT)
+def test_choices_of_a_recurrent_model_copy_the_whole_state(kind: MemoryKind) -> None:
+    s, ctx = _kind(kind, n_parallel=3)
+    rs = [req([5, 6, 7, 8]) for _ in range(3)]
+    s.add(rs)
+    out = run(s, ctx)
+    assert all(ends(out)[r.id].finish == FinishReason.length for r in rs)
+    assert len({tuple(tokens_of(out, r)) for r in rs}) == 1

@@ -334,8 +334,9 @@ class FakeDraft:
     def logprobs(self, row: int, token: int, top_n: int) -> SimpleNamespace:
         return SimpleNamespace(logprob=math.log(self.SURE.get(self.rows[row][0], 0.9)))
 
-    def forget(self, seq_id: int, from_pos: int = 0) -> None:
+    def forget(self, seq_id: int, from_pos: int = 0) -> bool:
         del self.cells.setdefault(seq_id, [])[from_pos:]
+        return True
 
 
 @pytest.mark.unit

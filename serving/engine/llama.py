@@ -39,6 +39,7 @@ from serving.engine.errors import EngineError  # noqa: E402
 from serving.engine.guided import Guided, MaskWorker  # noqa: E402
 from serving.engine.prompt_cache import StateBuffer  # noqa: E402
 from serving.engine.request import Constraint, ConstraintKind, SamplingParams, TokenLogprob  # noqa: E402
+from serving.engine.scheduler import MemoryKind  # noqa: E402
 
 llama_cpp = ll  # the bindings module, for the few callers outside serving/ that need a constant
 
@@ -174,6 +175,16 @@ class LlamaModel:
         self.adds_bos: bool = ll.llama_vocab_get_add_bos(self.vocab)  # tokenize(add_special=True) adds a BOS
         self._pieces: dict[int, bytes] = {}
         self.guides = Guides(self.vocab, self.n_vocab)
+
+    @functools.cached_property
+    def memory_kind(self) -> MemoryKind:
+        """How this model's memory can go back to an earlier position (llama.h: llama_model_is_hybrid,
+        llama_model_is_recurrent, llama_model_n_swa; a hybrid is not also reported recurrent)."""
+        if ll.llama_model_is_hybrid(self.ptr):
+            return MemoryKind.hybrid
+        if ll.llama_model_is_recurrent(self.ptr):
+            return MemoryKind.recurrent
+        return MemoryKind.swa if ll.llama_model_n_swa(self.ptr) > 0 else MemoryKind.kv
 
     def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
@@ -635,6 +646,8 @@ class LlamaContext:
         # unified, llama.cpp's n_ctx_seq is the whole cache: the scheduler keeps each slot to its share
         self.n_ctx_seq: int = config.n_ctx_per_slot if config.kv_unified else ll.llama_n_ctx_seq(self.ptr)
         self.one_stream_per_slot = not config.kv_unified
+        self.memory_kind = model.memory_kind
+        self.n_swa: int = ll.llama_model_n_swa(model.ptr)  # 0: no sliding window
         self.n_vocab = model.n_vocab
         self.batch = Batch(config.n_batch)
         self.candidates = Candidates(self.n_vocab)
@@ -673,10 +686,20 @@ class LlamaContext:
     def new_sampler(self, params: SamplingParams, default_seed: int) -> SamplerChain:
         return SamplerChain(self, params, default_seed)
 
-    def forget(self, seq_id: int, from_pos: int = 0) -> None:
-        """Drop a slot's cached tokens from position `from_pos` on (nothing to drop once freed)."""
-        if self.ptr:
-            ll.llama_memory_seq_rm(self.memory, seq_id, from_pos, -1)
+    def forget(self, seq_id: int, from_pos: int = 0) -> bool:
+        """Drop a slot's cached tokens from position `from_pos` on (nothing to drop once freed). False when
+        llama.cpp refuses, its cells then unchanged: llama.h's llama_memory_seq_rm "returns false if a partial
+        sequence cannot be removed", which a recurrent state (and a hybrid's) does for any `from_pos` inside
+        its tokens (llama-memory-recurrent.cpp, with n_rs_seq 0 as here); from 0 it never fails."""
+        if not self.ptr:
+            return True
+        return bool(ll.llama_memory_seq_rm(self.memory, seq_id, from_pos, -1))
+
+    def pos_min(self, seq_id: int) -> int:
+        """The smallest position slot `seq_id`'s memory holds, -1 when empty (llama_memory_seq_pos_min): past 0
+        where a sliding window's cells were overwritten, the last position for a recurrent state, the larger
+        of its two parts' for a hybrid."""
+        return int(ll.llama_memory_seq_pos_min(self.memory, seq_id))
 
     def copy_seq(self, src: int, dst: int) -> None:
         """Give slot `dst` a copy of slot `src`'s cells. With kv_unified off each slot is its own K/V stream,

@@ -22,6 +22,10 @@ lookup costs about the prompt's length, not the number of states: a full cache o
 thousands, and a scan of them all, every admission, held the step thread for milliseconds
 (scripts/bench_prompt_cache_lookup.py).
 
+A recurrent or hybrid model's state cannot be cut back to an earlier token (the scheduler's MemoryKind): for
+such a context (`cuts` False) a state serves only a prompt that extends it past its end, and a stored state
+covers only the tokens it holds, not a shorter history it went through.
+
 Bounded by bytes, least recently used first out. A stored state is valid only for the context that made it
 (its layout of streams and cache types): the scheduler empties this cache whenever the context is rebuilt.
 Pure bookkeeping: no llama.cpp call here (the scheduler moves the bytes through its ModelContext).
@@ -135,14 +139,14 @@ class PromptCache:
         self.prices = PromptPrices()
         self.hits = self.hit_tokens = self.saves = self.skipped = self.evictions = 0
 
-    def worth_saving(self, tokens: Sequence[int]) -> bool:
+    def worth_saving(self, tokens: Sequence[int], cuts: bool = True) -> bool:
         """Whether a slot holding `tokens` should be saved before its cells are dropped: long enough, not
-        already here (a stored state that extends it covers it too), and the tokens no stored state covers
-        would cost more to prefill again than the copy costs now (PromptPrices)."""
+        already here (a stored state that extends it covers it too, where the memory `cuts`), and the tokens no
+        stored state covers would cost more to prefill again than the copy costs now (PromptPrices)."""
         if self.limit_bytes <= 0 or len(tokens) < self.min_tokens:
             return False
         key = tuple(tokens)
-        longest = self._longest(key)
+        longest = self._longest(key) if cuts else self._longest_within(key, len(key))
         covered = longest[1] if longest is not None else 0
         if covered == len(key):
             return False
@@ -192,11 +196,13 @@ class PromptCache:
         self.saves += 1
         return True
 
-    def best(self, prompt: Sequence[int]) -> tuple[CachedPrompt, int] | None:
+    def best(self, prompt: Sequence[int], cuts: bool = True) -> tuple[CachedPrompt, int] | None:
         """The stored state sharing the longest prefix with `prompt` (to within a block: see `_longest`), and
-        that length; None when none shares any. Does not count a hit: the scheduler decides whether restoring
-        it beats what the slots hold."""
-        found = self._longest(tuple(prompt))
+        that length; None when none shares any. Where the memory does not cut (`cuts` False), the longest
+        state `prompt` extends past its end (its last token is decoded again for its logits). Does not count
+        a hit: the scheduler decides whether restoring it beats what the slots hold."""
+        key = tuple(prompt)
+        found = self._longest(key) if cuts else self._longest_within(key, len(key) - 1)
         return (self._entries[found[0]], found[1]) if found is not None else None
 
     def restored(self, entry: CachedPrompt, used_tokens: int) -> None:
@@ -274,6 +280,11 @@ class PromptCache:
             if shared > 0 and (found is None or shared > found[1]):
                 found = (stored, shared)
         return found
+
+    def _longest_within(self, key: Key, most: int) -> tuple[Key, int] | None:
+        """The longest stored state of at most `most` tokens that `key` begins with, and its length."""
+        longest = max((k for k in self._prefixes(key, self._path(key)) if 0 < len(k) <= most), key=len, default=None)
+        return (longest, len(longest)) if longest is not None else None
 
     def _prefixes(self, tokens: Key, nodes: list[Node]) -> list[Key]:
         """The stored states that are prefixes of `tokens` (itself included): each ends past one of its

@@ -16,6 +16,13 @@ The scheduler never touches text, handles or threads (vLLM v1's split): it reach
 the small `ModelContext` protocol, and reports each step as a list of typed `RequestOutput`s that the
 output processor (serving/engine/output.py) turns into text for the callers. So everything here runs against a
 fake context in milliseconds (tests/test_scheduler.py). The engine's step thread is its only caller.
+
+Not every model's memory can go back. A slot reuses a cached prefix only where llama.cpp keeps it (MemoryKind):
+any prefix of attention K/V cells; of a sliding window's cells, a prefix whose window is still held
+(`llama_memory_seq_pos_min`); of a recurrent or hybrid model's state, all of it or nothing, since the state
+holds no earlier position (`llama_memory_seq_rm` of a partial range returns false). Where llama.cpp refuses
+anyway, the slot is emptied and the prompt prefilled from its start: never decoded onto cells that do not
+hold the prefix it was counted for (docs/design.md, "Memory kinds").
 """
 
 from __future__ import annotations
@@ -69,6 +76,8 @@ class ModelContext(DraftContext, Protocol):
     draft model's context needs the same, less what sampling and sharing prompts take)."""
 
     one_stream_per_slot: bool  # kv_unified off: a step's rows split into micro-batches by runs of slots
+    memory_kind: MemoryKind
+    n_swa: int  # the sliding window in tokens (0: none)
 
     @property
     def batch_size(self) -> int: ...
@@ -76,6 +85,8 @@ class ModelContext(DraftContext, Protocol):
     def new_sampler(self, params: SamplingParams, default_seed: int) -> TokenSampler: ...
 
     def copy_seq(self, src: int, dst: int) -> None: ...
+
+    def pos_min(self, seq_id: int) -> int: ...
 
     def is_eog(self, token: int) -> bool: ...
 
@@ -86,6 +97,24 @@ class ModelContext(DraftContext, Protocol):
     def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview: ...
 
     def load_seq(self, seq_id: int, state: memoryview) -> bool: ...
+
+
+class MemoryKind(str, Enum):
+    """What a model's memory keeps of a sequence, which decides the prefixes a slot can go back to (llama.cpp's
+    memory modules; serving/engine/llama.py asks the model which it has)."""
+
+    kv = "kv"  # attention K/V cells, one per position: any prefix stays
+    swa = "swa"  # sliding-window attention (Gemma 3, gpt-oss): a prefix stays while its window's cells do
+    recurrent = "recurrent"  # one state per sequence (Mamba, RWKV): all of it, or nothing
+    hybrid = "hybrid"  # attention and recurrent layers (LFM2, Jamba, Nemotron-H, Qwen3.5): as recurrent
+
+    @property
+    def cuts(self) -> bool:
+        """Whether llama.cpp can drop a sequence's last tokens and keep the rest. A recurrent state (alone, or
+        in a hybrid) summarises every token so far and keeps no earlier position: llama_memory_seq_rm of
+        [p0, end) with p0 inside its tokens returns false (llama-memory-recurrent.cpp, with the context's
+        n_rs_seq snapshots at 0, llama.cpp's default and ours)."""
+        return self in (MemoryKind.kv, MemoryKind.swa)
 
 
 class SlotState(str, Enum):
@@ -154,6 +183,7 @@ class Counters:
     spec_drafted: int = 0  # tokens guessed and verified
     spec_accepted: int = 0  # of those, kept
     grammar_resamples: int = 0  # tokens a grammar rejected (then sampled again with the grammar first)
+    prefixes_refused: int = 0  # cached prefixes llama.cpp could not keep after all: prefilled from the start
 
 
 @dataclass(frozen=True)
@@ -469,12 +499,18 @@ class Scheduler:
         runs = {s.seq_id: _runs(busy | {s.seq_id}) if split else 1 for s in free}
         fewest = min(runs.values())
         least = SLOT_PROMPT_SIMILARITY * len(prompt)
-        scored = [(shared if shared > least else 0, s) for s in free for shared in [common_prefix(s.cache, prompt)]]
+        scored = [(shared if shared > least else 0, s) for s in free for shared in [self._reusable(s.cache, prompt)]]
         allowed = [(shared, s) for shared, s in scored if runs[s.seq_id] == fewest or shared >= SPLIT_WORTH]
         shared, best = max(allowed, key=lambda p: (p[0], -runs[p[1].seq_id], -p[1].last_used))
         if shared == 0:
             best = min((s for _, s in allowed if runs[s.seq_id] == fewest), key=lambda s: s.last_used)
         return best, shared
+
+    def _reusable(self, cache: list[int], prompt: list[int]) -> int:
+        """The prompt tokens a slot holding `cache` can keep: the shared prefix, less the prompt's last token
+        (decoded again for its logits); where the memory cannot be cut, all of `cache` or none."""
+        shared = min(common_prefix(cache, prompt), max(len(prompt) - 1, 0))
+        return shared if self._ctx.memory_kind.cuts or shared == len(cache) else 0
 
     def _saved_state(self, prompt: list[int], shared: int) -> tuple[CachedPrompt, int] | None:
         """The prompt cache's state for `prompt` when it shares at least min_tokens more than the best slot's
@@ -482,7 +518,7 @@ class Scheduler:
         cache = self.prompt_cache
         if cache is None:
             return None
-        found = cache.best(prompt)
+        found = cache.best(prompt, cuts=self._ctx.memory_kind.cuts)
         if found is None or found[1] < shared + cache.min_tokens:
             return None
         return found
@@ -536,7 +572,7 @@ class Scheduler:
         if cache is None:
             return
         try:
-            if cache.worth_saving(slot.cache):
+            if cache.worth_saving(slot.cache, cuts=self._ctx.memory_kind.cuts):
                 t0 = self._clock()
                 state = self._ctx.save_seq(slot.seq_id, cache.spare)
                 cache.prices.saved(len(slot.cache), self._clock() - t0)
@@ -549,8 +585,7 @@ class Scheduler:
         reuse = min(shared, len(prompt) - 1)  # decode >= 1 token so the prompt's last logits exist
         if self.prompt_cache is not None and len(slot.cache) - reuse >= self.prompt_cache.min_tokens:
             self._save(slot)
-        self._ctx.forget(slot.seq_id, reuse)
-        del slot.cache[reuse:]
+        reuse = self._cut(slot, reuse)
         params = request.params
         slot.request, slot.unsaved = request, False
         slot.pending = prompt[reuse:] if slot.leader is None else []  # a clone gets the leader's cells
@@ -571,8 +606,43 @@ class Scheduler:
                 last_n = params.penalty_last_n
                 slot.sampler.accept(prompt[-last_n:] if last_n > 0 else prompt)
 
+    def _cut(self, slot: Slot, keep: int) -> int:
+        """Drop the slot's cells from position `keep` on; the tokens it still holds: `keep`, or 0 where llama.cpp
+        refused the cut or the cells left no longer hold what decoding position `keep` attends to (the slot
+        is then emptied, and the prompt prefilled from its start, as llama-server does)."""
+        ctx = self._ctx
+        if keep == 0 or not ctx.forget(slot.seq_id, keep):
+            ctx.forget(slot.seq_id)
+        else:
+            del slot.cache[keep:]
+            if self._holds_window(slot.seq_id, keep):
+                return keep
+            ctx.forget(slot.seq_id)
+        if keep > 0:
+            self.counters.prefixes_refused += 1
+            log.info("slot %d: llama.cpp could not keep %d cached tokens (%s memory); prefilling from the start",
+                     slot.seq_id, keep, ctx.memory_kind.value)
+        slot.cache.clear()
+        return 0
+
+    def _holds_window(self, seq_id: int, keep: int) -> bool:
+        """Whether a sequence cut to `keep` tokens still holds what its next position attends to. llama.h
+        promises every position from llama_memory_seq_pos_min to the last is held, so the smallest one
+        decides. Under a sliding window position `keep` attends to keep - n_swa + 1 on (llama-hparams.cpp's
+        is_masked_swa masks p1 - p0 >= n_swa; a chunked window starts later), so pos_min must be at most
+        that (llama-server asks one more: pos_min < keep - n_swa); else the window's first cells were
+        overwritten. Attention cells hold position 0, and a recurrent or hybrid state sits at its last
+        position, keep - 1 after a cut (a hybrid reports the larger of its parts' pos_min, so a hybrid's
+        window is not checked here: its attention cells are full-size, as the context's swa_full default
+        makes every window)."""
+        window = self._ctx.n_swa if self._ctx.memory_kind is MemoryKind.swa else 0
+        first_needed = max(keep - window + 1, 0) if window else keep - 1
+        return 0 <= self._ctx.pos_min(seq_id) <= first_needed
+
     def _new_drafter(self, slot: Slot) -> Drafter | None:
-        if self._spec is None:
+        """A guesser for the slot's request; none where the memory cannot be cut, since rejected guesses are
+        dropped from the cells by a cut (a recurrent model would prefill its whole prompt again instead)."""
+        if self._spec is None or not self._ctx.memory_kind.cuts:
             return None
         if self._draft_model is not None:
             return self._draft_model.for_slot(slot.seq_id)

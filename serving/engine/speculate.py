@@ -270,7 +270,7 @@ class DraftContext(Protocol):
 
     def logprobs(self, row: int, token: int, top_n: int) -> Any: ...
 
-    def forget(self, seq_id: int, from_pos: int = 0) -> None: ...
+    def forget(self, seq_id: int, from_pos: int = 0) -> bool: ...  # False: llama.cpp kept the cells as they were
 
 
 class ModelDrafter:
@@ -333,7 +333,9 @@ class ModelDrafter:
     def _extend(self, seq_id: int, tokens: list[int], keep: int) -> int:
         """Keep the first `keep` cells, decode the rest of `tokens` in batches; the last token's row or -1."""
         cells = self._cells[seq_id]
-        self._ctx.forget(seq_id, keep)
+        if not self._ctx.forget(seq_id, keep):  # a recurrent draft model cannot be cut: it starts over
+            self._ctx.forget(seq_id)
+            keep = 0
         del cells[keep:]
         if len(tokens) >= self._ctx.n_ctx_seq:
             return -1
