@@ -101,6 +101,22 @@ def test_a_mixture_of_experts_moves_experts_of_the_last_layers_first_then_layers
 
 
 @pytest.mark.unit
+def test_a_mixture_of_experts_with_auto_context_moves_experts_for_an_agents_slot() -> None:
+    shape = moe()  # trained on 40,960 tokens: an agent's slot is that long
+    budget = gpu(8 * GiB + FIT_MARGIN)
+    for_speed = fit(shape, EngineConfig(n_ctx=4096, n_parallel=1), budget).config
+    for_agents = fit(shape, EngineConfig(**AUTO_ALL), budget)
+    assert for_agents.config.n_ctx_per_slot == shape.n_ctx_train and for_agents.config.n_parallel == 1
+    assert for_speed.n_cpu_moe < for_agents.config.n_cpu_moe < shape.n_layer and for_agents.config.n_gpu_layers == -1
+    assert for_agents.predicted <= budget.bytes
+    # a dense model never moves layers for context: the weights first, the context in what is left
+    dense_shape = dense()
+    whole = predict(dense_shape, EngineConfig(n_ctx=4096, n_parallel=1, n_gpu_layers=-1), on_gpu=True).total
+    sized = fit(dense_shape, EngineConfig(**AUTO_ALL), gpu(whole + 2 * GiB + FIT_MARGIN)).config
+    assert sized.n_gpu_layers == -1 and 4096 < sized.n_ctx_per_slot < AGENT_CTX
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("explicit", [{"n_gpu_layers": 7}, {"n_gpu_layers": -1}, {"n_cpu_moe": 3},
                                       {"override_tensor": "ffn_.*_exps=CPU"}])
 def test_the_users_placement_wins(explicit: dict[str, object]) -> None:

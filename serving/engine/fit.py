@@ -5,10 +5,13 @@ What llama-server's --fit does for the arguments a user leaves unset, in its ord
 context in what they leave.
 
 - Where the weights go (n_gpu_layers auto, on a GPU, with no n_cpu_moe or override_tensor of the user's): every
-  layer on the GPU if the model fits beside the least context; else a mixture of experts keeps its attention and
-  shared weights there and moves the experts of the fewest layers to host memory, the last layers first (where
-  --fit puts them; 4 streams 1.19x faster than the first layers on an H100: docs/log/2026-12-06-h100-sixth-run.md),
-  and only if even all experts out do not fit, whole layers too; a dense model moves whole layers.
+  layer on the GPU if the model fits beside the least context (one slot of MIN_CTX, or the config's own); else a
+  mixture of experts keeps its attention and shared weights there and moves the experts of the fewest layers to
+  host memory, the last layers first (where --fit puts them; 4 streams 1.19x faster than the first layers on an
+  H100: docs/log/2026-12-06-h100-sixth-run.md), and only if even all experts out do not fit, whole layers too; a
+  dense model moves whole layers. With its context auto, a mixture of experts first tries the same beside one
+  slot of an agent's context (AGENT_CTX): experts cost a token little in host memory (it reads only those it is
+  routed to), so an agent's context is worth a few more of them there; whole layers never move for context.
 - The context (n_ctx auto): the largest a slot can have in the memory left, up to the model's trained length.
 - The slots (n_parallel auto): 4, as llama-server's -np -1, unless 4 would leave a slot under an agent's context
   (AGENT_CTX, or the trained length if shorter) and 2 or 1 would not: coding agents send 30-60k tokens.
@@ -180,13 +183,17 @@ def _place(shape: ModelShape, config: EngineConfig, budget: FitBudget) -> Engine
     everything = config.model_copy(update={"n_gpu_layers": -1})
     if budget.kind is DeviceKind.cpu or config.n_cpu_moe or config.override_tensor:
         return everything
-    least = _least_context(shape, everything)
-    if budget.fits(shape, least):
-        return everything
-    if shape.n_expert:
-        moved = fewest_expert_layers(shape, least, budget.bytes, ExpertEnd.last)
+    least = _least_context(shape, everything, MIN_CTX)
+    # a mixture of experts with its context auto makes room for an agent's slot by moving experts, where that is
+    # enough (whole layers never move for context: a dense model's decode would pay for every token of it)
+    reserves = [_least_context(shape, everything, AGENT_CTX), least] if shape.n_expert else [least]
+    for reserve in reserves:
+        if budget.fits(shape, reserve):
+            return everything
+        moved = fewest_expert_layers(shape, reserve, budget.bytes, ExpertEnd.last)
         if moved is not None:
             return everything.model_copy(update=expert_placement(shape, moved, ExpertEnd.last))
+    if shape.n_expert:
         experts = expert_placement(shape, shape.n_layer, ExpertEnd.last)
         layers = _first(range(shape.n_layer + 1, -1, -1), lambda n: budget.fits(
             shape, least.model_copy(update={"n_gpu_layers": n, **experts})))
@@ -194,13 +201,13 @@ def _place(shape: ModelShape, config: EngineConfig, budget: FitBudget) -> Engine
     return config.model_copy(update={"n_gpu_layers": most_layers(shape, least, budget.bytes) or 0})
 
 
-def _least_context(shape: ModelShape, config: EngineConfig) -> EngineConfig:
+def _least_context(shape: ModelShape, config: EngineConfig, per_slot: int) -> EngineConfig:
     """`config` at the context the weights are placed beside: its own, or where auto, one slot (or its slots) of
-    MIN_CTX (the trained length if shorter)."""
+    `per_slot` tokens (the trained length if shorter)."""
     slots = 1 if AutoSetting.n_parallel in config.auto else config.n_parallel
     if AutoSetting.n_ctx not in config.auto:
         return config.model_copy(update={"n_parallel": slots})
-    return config.model_copy(update={"n_parallel": slots, "n_ctx": slots * min(MIN_CTX, _longest(shape))})
+    return config.model_copy(update={"n_parallel": slots, "n_ctx": slots * min(per_slot, _longest(shape))})
 
 
 # -- the context --------------------------------------------------------------------------------------------------
