@@ -388,3 +388,14 @@ def test_the_app_resolves_once_and_hands_replicas_the_hub_s_address(hub: MockHub
     assert "HF_ENDPOINT" not in engine_env(EngineConfig(model="/m/x.gguf"))["env_vars"]
     with pytest.raises(ModelStoreError, match="no repository someone/else on"):
         resolve_model(EngineConfig(model="someone/else:Q4_0"))
+
+
+@pytest.mark.engine
+def test_an_offline_study_starts_from_a_model_by_name(hub: MockHub) -> None:
+    """The tuner's offline trials load the model on this machine: its base config resolves and fetches it."""
+    from tuning.options import parse_options
+    from tuning.plan import base_config
+
+    config = base_config(parse_options(["--model", "owner/repo:Q8_0", "--offline"]))
+    assert isinstance(config.model, HubModel) and config.model.revision == SHA
+    assert config.model_path.read_bytes() == hub.files[Q8_0]

@@ -19,6 +19,7 @@ from serving.engine.fit import DeviceKind, FitBudget, fit
 from tuning.errors import UserError
 from tuning.gpus import TrialSlots, free_gpu_places
 from serving.engine.memory import GiB, ModelShape, parse_bytes, predict
+from serving.engine.model_store import HubModel, fetch, resolve
 from tuning.options import DeviceChoice, SearchOptions
 from tuning.serving_app import ServingApp
 from tuning.space import PlacementFit, PlacementSearch, SearchSpace, thread_choices, to_engine_config
@@ -101,10 +102,15 @@ def study_plan(opts: SearchOptions, app: ServingApp | None, total: int, free: in
 
 
 def base_config(opts: SearchOptions) -> EngineConfig:
-    """The config an offline study starts from: --base-config with --model over it; the model file must exist."""
+    """The config an offline study starts from: --base-config with --model over it; the model file must exist (a
+    model named on the hub is resolved and fetched into this machine's cache first, where the trials load it)."""
     overrides = {"model": opts.model} if opts.model else {}
     try:
         config = load_engine_config(opts.base_config, overrides)
+        if isinstance(config.model, HubModel):
+            model = resolve(config.model)
+            fetch(model)
+            config = config.model_copy(update={"model": model})
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     if not config.model_path.is_file():
