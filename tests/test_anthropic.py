@@ -77,6 +77,33 @@ def test_a_conversation_with_tool_turns_becomes_the_templates_messages() -> None
 
 
 @pytest.mark.unit
+def test_what_recent_claude_code_sends_is_read() -> None:
+    """Claude Code 2.1 sends a system-role message after the first user turn, tool_reference blocks in tool
+    results, context_management, diagnostics, and cache_control with a scope: all read, none refused."""
+    from serving.openai.anthropic_requests import MessagesRequest, conversation, tools_asked
+
+    body = MessagesRequest.model_validate({
+        "model": "claude-opus-4-8", "max_tokens": 32000, "stream": True, "metadata": {"user_id": "u"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "diagnostics": {"cache": True}, "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral",
+                                                                                    "scope": "global"}}],
+        "tools": [{**WEATHER, "eager_input_streaming": True, "defer_loading": False}],
+        "messages": [
+            {"role": "user", "content": "Fix the bug."},
+            {"role": "system", "content": [{"type": "text", "text": "Available agent types: none."}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "ToolSearch",
+                                               "input": {"query": "weather"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                {"type": "tool_reference", "tool_name": "get_weather"}, {"type": "text", "text": "found"}]}]}]})
+    assert body.unsupported_fields() == [] and body.template_kwargs() == {"enable_thinking": True}
+    chat = conversation(body)
+    assert chat.messages[0] == {"role": "system", "content": "You are Claude Code.\n\nAvailable agent types: none."}
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "tool"]
+    assert chat.messages[-1]["content"] == "found" and tools_asked(body).choice == "auto"
+
+
+@pytest.mark.unit
 def test_a_final_assistant_turn_is_a_prefill_the_answer_continues() -> None:
     from serving.openai.anthropic_requests import MessagesRequest, conversation
 

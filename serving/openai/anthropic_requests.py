@@ -23,6 +23,9 @@ from serving.openai.requests import INT32_MAX, MAX_STOP_STRINGS, NO_EFFECT_FIELD
 
 ANTHROPIC_NO_EFFECT = NO_EFFECT_FIELDS | {  # accepted: they never change what is generated
     "cache_control", "inference_geo", "speed", "diagnostics", "user_profile_id", "workspace_id",
+    # accepted, not applied: Claude Code sends it with every request (clear old tool results or thinking once
+    # the context grows); the whole conversation is rendered, which a slot too small for it refuses with a 400
+    "context_management",
 }
 TOOL_ERROR_PREFIX = "Error: "  # a tool_result with is_error: the model reads that the call failed
 
@@ -68,8 +71,21 @@ class ToolUseBlock(_Block):
     input: dict[str, Any] = Field(default_factory=dict)
 
 
-ResultPart = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[UnsupportedBlock, Tag("unsupported")],
-                       Discriminator(lambda v: "text" if _block_tag(v) == "text" else "unsupported")]
+class ToolReferenceBlock(_Block):
+    """A tool_result's pointer to a deferred tool (Claude Code's tool search): no text for the model, and every
+    tool is shown to it anyway (`defer_loading` is not applied)."""
+
+    type: Literal["tool_reference"]
+    tool_name: str = ""
+
+
+def _result_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("text", "tool_reference") else BlockType.unsupported.value
+
+
+ResultPart = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[ToolReferenceBlock, Tag("tool_reference")]
+                       | Annotated[UnsupportedBlock, Tag("unsupported")], Discriminator(_result_tag)]
 
 
 class ToolResultBlock(_Block):
@@ -100,8 +116,10 @@ SystemBlock = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[Unsupporte
 
 
 class InputMessage(BaseModel):
+    """A turn; `system` is a mid-conversation system message (text only), which recent Claude Code sends."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Text | list[Block]
 
 
@@ -240,17 +258,20 @@ class ToolsAsked:
 def conversation(body: MessagesBody) -> Conversation:
     """The system prompt and messages as chat messages: a user turn's tool_result blocks become `tool` turns
     (in their order, before its text), an assistant turn's tool_use blocks its tool calls and its thinking
-    its reasoning_content. Blocks this server does not read are refused with a 400 naming them."""
+    its reasoning_content. Mid-conversation system messages join the system prompt, in order: chat templates
+    take one system message, the first (Qwen's refuse any other), so one in place would fail or be dropped.
+    Blocks this server does not read are refused with a 400 naming them."""
     out: list[dict[str, Any]] = []
-    system = _system_text(body.system)
-    if system:
-        out.append({"role": "system", "content": system})
+    system = [_system_text(body.system, "system")] + [
+        _system_text(m.content, f"messages.{i}.content") for i, m in enumerate(body.messages) if m.role == "system"]
+    if any(system):
+        out.append({"role": "system", "content": "\n\n".join(text for text in system if text)})
     for i, message in enumerate(body.messages):
         blocks: list[Any] = ([TextBlock(type="text", text=message.content)] if isinstance(message.content, str)
                              else message.content)
         if message.role == "user":
             out += _user_turns(blocks, f"messages.{i}.content")
-        else:
+        elif message.role == "assistant":
             out.append(_assistant_turn(blocks, f"messages.{i}.content"))
     last = body.messages[-1]
     if last.role == "assistant" and not out[-1].get("tool_calls"):
@@ -278,13 +299,15 @@ def unsupported_block(kind: str, param: str) -> APIError:
                          "tool_use, tool_result and thinking blocks", param=param)
 
 
-def _system_text(system: str | list[Any] | None) -> str:
+def _system_text(system: str | list[Any] | None, param: str) -> str:
     if system is None or isinstance(system, str):
         return system or ""
     texts = []
     for j, block in enumerate(system):
         if isinstance(block, UnsupportedBlock):
-            raise unsupported_block(block.type, f"system.{j}")
+            raise unsupported_block(block.type, f"{param}.{j}")
+        if not isinstance(block, TextBlock):
+            raise APIError(400, f"a system message holds text only, not a {block.type} block", param=f"{param}.{j}")
         texts.append(block.text)
     return "\n\n".join(texts)
 
@@ -314,7 +337,8 @@ def _result_text(block: ToolResultBlock, param: str) -> str:
         for k, part in enumerate(content):
             if isinstance(part, UnsupportedBlock):
                 raise unsupported_block(part.type, f"{param}.{k}")
-            texts.append(part.text)
+            if isinstance(part, TextBlock):
+                texts.append(part.text)
         content = "\n\n".join(texts)
     return TOOL_ERROR_PREFIX + content if block.is_error else content
 
