@@ -98,8 +98,8 @@ class HubModel(BaseModel):
     def local_path(self, settings: HubSettings | None = None) -> Path:
         """Where the file to load is in this node's cache once fetched (the hub's layout: a snapshot per
         commit), whether it is there yet or not."""
-        settings = settings or HubSettings.from_env()
-        return settings.snapshot(self.repo, self.commit) / self.files[0]
+        commit = self.commit
+        return (settings or HubSettings.from_env()).snapshot(self.repo, commit) / self.files[0]
 
     @property
     def commit(self) -> str:
@@ -199,7 +199,7 @@ def pick_files(model: HubModel, listing: Sequence[str]) -> tuple[str, ...]:
         if not found:
             raise _choice_error(model, listing, f"no file {model.file!r}")
         return _whole(found[0], listing)
-    firsts = [path for path in listing if is_model_file(path) and (Split.of(path) or Split("", 1, 1)).index == 1]
+    firsts = [path for path in listing if is_model_file(path) and _is_first(path)]
     if model.quant is not None:
         return _whole(_one_with_quant(model, model.quant, firsts, listing), listing)
     for quant in DEFAULT_QUANTS:
@@ -208,6 +208,12 @@ def pick_files(model: HubModel, listing: Sequence[str]) -> tuple[str, ...]:
     if firsts:
         return _whole(firsts[0], listing)
     raise _choice_error(model, listing, "no model file")
+
+
+def _is_first(path: str) -> bool:
+    """A whole model, or the first part of a split one (the part llama.cpp loads)."""
+    split = Split.of(path)
+    return split is None or split.index == 1
 
 
 def _tagged(quant: str, paths: Iterable[str]) -> list[str]:
