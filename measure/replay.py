@@ -2,11 +2,14 @@
 
 A `TrafficWorkload` is a list of request shapes (prompt tokens, how many of them are a prefix shared with
 other requests, output tokens, choices, greedy or sampled, arrival time), never text: from the serving app's
-own record (`GET /traffic`, serving/engine/traffic.py), from a JSONL file, or built in (`chat`, `rag`, `agent`).
+own record (`GET /traffic`, serving/engine/traffic.py), from a JSONL file (ours, or a Mooncake trace as vLLM's
+`bench serve`, GuideLLM and AIPerf replay: serving/engine/mooncake.py), or built in (`chat`, `rag`, `agent`).
 
 Replaying one builds each prompt as token ids of the recorded length: a shared prefix (the same tokens for
 every request of its prefix group, so a slot's prefix cache finds it as the service's did) then tokens of its
-own (starting with the request's number, so nothing else is shared by accident); it asks for the recorded
+own (starting with the request's number, so nothing else is shared by accident). A Mooncake request's prompt
+is its blocks instead: each hash id's block the same tokens wherever it appears, so lines that begin with the
+same ids begin with the same tokens, as the trace says their prompts did; it asks for the recorded
 output length with EOS ignored, so every config generates the same tokens' worth of work. Every run gets a
 salt of its own in those numbers, so one run never finds another's prefixes cached.
 
@@ -34,12 +37,14 @@ from typing import Any, Protocol
 
 from measure.metrics import StreamRecord, completion_tokens_of, percentile, stream_figures
 from measure.slo import Latency, RequestLatency, Slo, SloOutcome, Spread, evaluate, samples, spread
+from serving.engine.mooncake import BLOCK_TOKENS, TraceLine, is_trace_line
 from serving.engine.traffic import RequestKind, RequestShape
 
 DEFAULT_CONCURRENCY = 4  # the mission's 4 concurrent streams
 DEFAULT_REQUESTS = 64
 SAMPLED_TEMPERATURE = 0.8
 REPLAY_TIMEOUT_S = 1800.0
+BLOCK_KEYS = 1 << 24  # a block's key stream starts here, past any prefix group's
 
 
 class Arrivals(str, Enum):
@@ -57,7 +62,9 @@ def replayed_kind(kind: RequestKind) -> RequestKind:
 @dataclass(frozen=True)
 class ReplayRequest:
     """One request to replay, as counts. Its prompt is `prefix_tokens` tokens of prefix group `group`'s
-    shared stream, then `prompt_tokens - prefix_tokens` tokens of its own."""
+    shared stream, then `prompt_tokens - prefix_tokens` tokens of its own; or, where it has `blocks` (a
+    Mooncake line's hash_ids), those blocks of `block_tokens` each (cut to the prompt's length), then tokens of
+    its own if they fall short. `prefix_tokens` is then what its leading blocks share with earlier requests."""
 
     prompt_tokens: int
     output_tokens: int
@@ -66,10 +73,12 @@ class ReplayRequest:
     arrival_s: float = 0.0  # from the workload's first arrival
     kind: RequestKind = RequestKind.greedy
     n: int = 1
+    blocks: tuple[int, ...] = ()
+    block_tokens: int = BLOCK_TOKENS
 
     def __post_init__(self) -> None:
-        if self.prompt_tokens < 1 or self.output_tokens < 1 or self.n < 1:
-            raise ValueError(f"a replayed request needs a prompt, an output and a choice: {self}")
+        if self.prompt_tokens < 1 or self.output_tokens < 1 or self.n < 1 or self.block_tokens < 1:
+            raise ValueError(f"a replayed request needs a prompt, an output, a choice and blocks of a token: {self}")
         if not 0 <= self.prefix_tokens <= self.prompt_tokens:
             raise ValueError(f"prefix_tokens {self.prefix_tokens} outside 0..prompt_tokens {self.prompt_tokens}")
 
@@ -87,6 +96,12 @@ class ReplayRequest:
         return cls(prompt_tokens=max(shape.prompt_tokens, 1), output_tokens=max(shape.output_tokens, shape.n),
                    prefix_tokens=min(shape.cached_tokens, max(shape.prompt_tokens - 1, 0)),
                    arrival_s=max(shape.arrival - first_arrival, 0.0), kind=kind, n=shape.n)
+
+    @classmethod
+    def of_trace(cls, line: TraceLine) -> ReplayRequest:
+        """A Mooncake line (greedy, one choice: the format has neither); its shared prefix is known only beside
+        the lines before it (`shared_blocks`). A line that asked for no output asks for one token."""
+        return cls(prompt_tokens=line.input_length, output_tokens=max(line.output_length, 1), blocks=line.hash_ids)
 
 
 @dataclass(frozen=True)
@@ -136,7 +151,8 @@ class TrafficWorkload:
         def scaled(r: ReplayRequest) -> ReplayRequest:
             prompt = max(1, round(r.prompt_tokens * factor))
             return replace(r, prompt_tokens=prompt, prefix_tokens=min(round(r.prefix_tokens * factor), prompt),
-                           output_tokens=max(r.n, round(r.output_tokens * factor)))
+                           output_tokens=max(r.n, round(r.output_tokens * factor)),
+                           block_tokens=max(1, round(r.block_tokens * factor)))
 
         return replace(self, name=f"{self.name}@{factor:g}", source=f"{self.source}; lengths x{factor:g}",
                        requests=tuple(scaled(r) for r in self.requests))
@@ -245,8 +261,9 @@ def from_shapes(shapes: Sequence[RequestShape], name: str, source: str) -> Traff
 def load_file(path: Path) -> TrafficWorkload:
     """A JSONL file of request shapes: per line `prompt_tokens`, `output_tokens` and optionally `arrival`
     (seconds, any origin), `cached_tokens` (or `prefix_tokens` with a `group`), `n`, `kind` (greedy,
-    sampled, constrained). GET /traffic's `recent.requests` entries are such lines. Open loop when every
-    line has an arrival, else closed loop."""
+    sampled, constrained). GET /traffic's `recent.requests` entries are such lines. Or a Mooncake trace
+    (`timestamp` in ms, `input_length`, `output_length`, `hash_ids`; GET /traffic?format=mooncake writes one).
+    Open loop when every line has an arrival, else closed loop."""
     requests: list[ReplayRequest] = []
     arrivals: list[float | None] = []
     try:
@@ -257,10 +274,9 @@ def load_file(path: Path) -> TrafficWorkload:
         if not line.strip():
             continue
         try:
-            parsed = json.loads(line)
-            requests.append(_request_of(parsed))
-            arrival = parsed.get("arrival")
-            arrivals.append(None if arrival is None else float(arrival))
+            request, arrival = _line_of(json.loads(line))
+            requests.append(request)
+            arrivals.append(arrival)
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"workload file {path}, line {number}: {exc}") from exc
     if not requests:
@@ -271,13 +287,38 @@ def load_file(path: Path) -> TrafficWorkload:
         first = min(times)
         order = sorted(range(len(requests)), key=lambda i: times[i])
         requests = [replace(requests[i], arrival_s=times[i] - first) for i in order]
-    return TrafficWorkload(path.stem, f"file {path}", tuple(requests),
+    return TrafficWorkload(path.stem, f"file {path}", tuple(shared_blocks(requests)),
                            arrivals=Arrivals.open if timed else Arrivals.closed)
 
 
-def _request_of(line: Any) -> ReplayRequest:
+def shared_blocks(requests: Sequence[ReplayRequest]) -> list[ReplayRequest]:
+    """Requests in the order they are sent, each block request's `prefix_tokens` set to its leading blocks an
+    earlier one had (a hash id names its block and all before it, so a seen id is a seen prefix): what a
+    prefix cache large enough could find. Requests without blocks are as they were."""
+    seen: set[int] = set()
+    out = []
+    for r in requests:
+        if not r.blocks:
+            out.append(r)
+            continue
+        shared = next((i for i, block in enumerate(r.blocks) if block not in seen), len(r.blocks))
+        seen.update(r.blocks)
+        out.append(replace(r, prefix_tokens=min(shared * r.block_tokens, r.prompt_tokens)))
+    return out
+
+
+def _line_of(line: Any) -> tuple[ReplayRequest, float | None]:
+    """A file's line as a request and its arrival in seconds (None: the line has none)."""
     if not isinstance(line, dict):
         raise ValueError("each line is a JSON object")
+    if is_trace_line(line):
+        trace = TraceLine.parse(line)
+        return ReplayRequest.of_trace(trace), None if trace.timestamp_ms is None else trace.timestamp_ms / 1000.0
+    arrival = line.get("arrival")
+    return _request_of(line), None if arrival is None else float(arrival)
+
+
+def _request_of(line: dict[str, Any]) -> ReplayRequest:
     missing = [k for k in ("prompt_tokens", "output_tokens") if k not in line]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (each line is a request's shape, not its text)")
@@ -314,9 +355,20 @@ class PromptBuilder:
         self._groups: dict[int, list[int]] = {}
 
     def prompt(self, request: ReplayRequest, number: int) -> list[int]:
-        shared = self._group(request.group, request.prefix_tokens)[:request.prefix_tokens]
+        if request.blocks:
+            shared = self._blocks(request.blocks, request.block_tokens, request.prompt_tokens)
+        else:
+            shared = self._group(request.group, request.prefix_tokens)[:request.prefix_tokens]
         own = self._stream(2 * number, number * 131, request.prompt_tokens - len(shared))
         return shared + own
+
+    def _blocks(self, blocks: Sequence[int], block_tokens: int, length: int) -> list[int]:
+        """The blocks' tokens up to `length`: block id b is the same `block_tokens` tokens in every request
+        (a stream keyed by b, as a group's is by its number)."""
+        tokens: list[int] = []
+        for block in blocks[:-(-length // block_tokens)]:
+            tokens += self._stream(2 * (BLOCK_KEYS + block) + 1, block * 997, block_tokens)
+        return tokens[:length]
 
     def _group(self, group: int, length: int) -> list[int]:
         stream = self._groups.get(group, [])

@@ -194,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
                               f"it holds {LIVE_MIN_REQUESTS} requests); chat, rag, agent: built in; benchmark: the "
                               "fixed benchmark above, in place too; FILE: JSONL of "
                               "request shapes (prompt_tokens, output_tokens, optional arrival, cached_tokens, n, "
-                              "kind: the lines of /traffic's recent.requests). The second objective becomes goodput")
+                              "kind: the lines of /traffic's recent.requests) or a Mooncake trace (timestamp, "
+                              "input_length, output_length, hash_ids). The second objective becomes goodput")
     traffic.add_argument("--slo", metavar="TARGETS",
                          help="latency targets, e.g. ttft_p95=1.5s,itl_p95=80ms (ttft, itl or e2e at p50, p90, p95 or "
                               "p99): goodput counts only requests within them, and a trial that misses one is "

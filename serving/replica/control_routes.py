@@ -9,11 +9,13 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import asdict
+from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, Response
 
+from serving.engine import mooncake
 from serving.engine.errors import EngineError
 from serving.engine.request import SamplingParams
 from serving.engine.traffic import TrafficSummary, merge_summaries
@@ -34,6 +36,16 @@ log = logging.getLogger("serving")
 
 TRAFFIC_DEADLINE_S = 5.0  # /traffic, /slots and /metrics wait this long for every replica's answer
 SLOT_WAIT_S = 60.0  # a slot file action waits this long for its slot to be idle
+MISSING_HEADER = "X-Replicas-Missing"  # /traffic?format=mooncake: what the JSON's replicas_missing says
+
+
+class TrafficFormat(str, Enum):
+    """What /traffic answers in: our summary (JSON), or the recent requests as a Mooncake trace (JSONL) that
+    vLLM's `bench serve`, GuideLLM and AIPerf replay (serving/engine/mooncake.py says what its hash_ids can
+    tell of shared prefixes)."""
+
+    json = "json"
+    mooncake = "mooncake"
 
 
 class ControlHost(Protocol):
@@ -103,7 +115,9 @@ class ControlRoutes:
         router.add_api_route("/props", self.props, methods=["GET"], responses=ERROR_RESPONSES)
         router.add_api_route("/metrics", self.prometheus, methods=["GET"], response_class=Response,
                              responses={200: {"content": {CONTENT_TYPE: {}}}})
-        router.add_api_route("/traffic", self.traffic, methods=["GET"], responses=ERROR_RESPONSES)
+        router.add_api_route("/traffic", self.traffic, methods=["GET"], response_model=None, responses={
+            **ERROR_RESPONSES, 200: {"content": {"application/json": {}, mooncake.MEDIA_TYPE: {}},
+                                     "description": "the summary (JSON), or a Mooncake trace (JSONL)"}})
         return router
 
     async def health(self) -> JSONResponse:
@@ -171,9 +185,17 @@ class ControlRoutes:
         return Response(merge_expositions(texts), media_type=CONTENT_TYPE)
 
     async def traffic(self, recent: Annotated[int | None, Query(ge=0, description="list only the latest this "
-                                                                "many request shapes (0: none)")] = None
-                      ) -> dict[str, Any]:
+                                                                "many request shapes (0: none)")] = None,
+                      answer_in: Annotated[TrafficFormat, Query(alias="format", description=(
+                          "json: the summary; mooncake: the recent requests as a Mooncake trace"))] = TrafficFormat.json
+                      ) -> Response:
         """The shape of the client traffic served (token counts, kinds, arrival times; never text), merged
-        over every engine replica: totals, histograms and the recent arrivals, for the tuner to replay."""
+        over every engine replica: totals, histograms and the recent arrivals, for the tuner to replay; or
+        those arrivals as a Mooncake trace, one request a line, for other tools to (the replicas that did not
+        answer are counted in the X-Replicas-Missing header, "unknown" where they could not be asked)."""
         summary, missing = await self._server.all_traffic()
-        return {**summary.as_dict(recent), "replicas_missing": missing}
+        if answer_in is TrafficFormat.json:
+            return JSONResponse({**summary.as_dict(recent), "replicas_missing": missing})
+        shapes = summary.recent if recent is None else summary.recent[len(summary.recent) - recent:] if recent else ()
+        return Response(mooncake.jsonl(mooncake.trace_of(shapes)), media_type=mooncake.MEDIA_TYPE,
+                        headers={MISSING_HEADER: "unknown" if missing is None else str(missing)})
