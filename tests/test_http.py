@@ -259,7 +259,8 @@ def test_metrics_count_requests_by_finish_reason_and_ttft(serve_url: str) -> Non
     b, a = before.text, after.text
     assert count(a, "llm_requests_total", reason="length") == count(b, "llm_requests_total", reason="length") + 1
     assert count(a, "llm_generated_tokens_total") == count(b, "llm_generated_tokens_total") + 4
-    assert count(a, "llm_time_to_first_token_s_count") == count(b, "llm_time_to_first_token_s_count") + 1
+    ttft = "llm_time_to_first_token_seconds_count"
+    assert count(a, ttft) == count(b, ttft) + 1
     assert count(a, "llm_prompt_tokens_total") > count(b, "llm_prompt_tokens_total")
 
 

@@ -317,8 +317,8 @@ def test_unimplemented_fields_are_refused_by_name(client: openai.OpenAI, model: 
 
 def test_metrics_names(serve_url: str) -> None:
     text = httpx.get(f"{serve_url}/metrics", timeout=30).text
-    for name in ("llm_time_to_first_token_s_bucket", "llm_e2e_request_latency_s_bucket",
-                 "llm_inter_token_latency_s_bucket", "llm_prompt_tokens_total", "llm_generated_tokens_total",
+    for name in ("llm_time_to_first_token_seconds_bucket", "llm_e2e_request_latency_seconds_bucket",
+                 "llm_inter_token_latency_seconds_bucket", "llm_prompt_tokens_total", "llm_generated_tokens_total",
                  "llm_queue_depth", "llm_slots_busy", "llm_kv_cells_used", "llm_engine_config",
                  "llm_prompt_cache_bytes", "llm_prompt_cache_entries"):
         assert name in text, name

@@ -54,12 +54,12 @@ class ReplicaMetrics:
                                      (*labels, "reason"), registry=reg),
             "rejected": prom.Counter("llm_requests_rejected", "Requests turned away with 503 by cause.",
                                      (*labels, "cause"), registry=reg),
-            "ttft": prom.Histogram("llm_time_to_first_token_s", "Time from arrival to first token.", labels,
-                                   buckets=TTFT_BOUNDARIES_S, registry=reg),
-            "e2e": prom.Histogram("llm_e2e_request_latency_s", "Time from arrival to the last token.", labels,
-                                  buckets=E2E_BOUNDARIES_S, registry=reg),
-            "itl": prom.Histogram("llm_inter_token_latency_s", "Mean time between tokens, one sample per request.",
-                                  labels, buckets=ITL_BOUNDARIES_S, registry=reg),
+            "ttft": prom.Histogram("llm_time_to_first_token_seconds", "Time from arrival to first token.",
+                                   labels, buckets=TTFT_BOUNDARIES_S, registry=reg),
+            "e2e": prom.Histogram("llm_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                                  labels, buckets=E2E_BOUNDARIES_S, registry=reg),
+            "itl": prom.Histogram("llm_inter_token_latency_seconds", "Mean time between tokens, one sample per "
+                                  "request.", labels, buckets=ITL_BOUNDARIES_S, registry=reg),
             "prompt_len": prom.Histogram("llm_request_prompt_tokens", "Prompt tokens of each finished request.",
                                          labels, buckets=TOKEN_EDGES, registry=reg),
             "output_len": prom.Histogram("llm_request_generation_tokens", "Tokens generated for each finished "
@@ -103,12 +103,12 @@ class ReplicaMetrics:
             "rejected": ray_metrics.Counter("llm_requests_rejected",
                                             description="Requests turned away with 503 by cause.",
                                             tag_keys=("model", "cause")),  # type: ignore[arg-type]
-            "ttft": ray_metrics.Histogram("llm_time_to_first_token_s", description="Time from arrival to first token.",
-                                          boundaries=TTFT_BOUNDARIES_S, tag_keys=tags),
-            "e2e": ray_metrics.Histogram("llm_e2e_request_latency_s", description="Time from arrival to the last "
-                                         "token.", boundaries=E2E_BOUNDARIES_S, tag_keys=tags),
-            "itl": ray_metrics.Histogram("llm_inter_token_latency_s", description="Mean time between tokens, one "
-                                         "sample per request.", boundaries=ITL_BOUNDARIES_S, tag_keys=tags),
+            "ttft": ray_metrics.Histogram("llm_time_to_first_token_seconds", description="Time from arrival to "
+                                          "first token.", boundaries=TTFT_BOUNDARIES_S, tag_keys=tags),
+            "e2e": ray_metrics.Histogram("llm_e2e_request_latency_seconds", description="Time from arrival to the "
+                                         "last token.", boundaries=E2E_BOUNDARIES_S, tag_keys=tags),
+            "itl": ray_metrics.Histogram("llm_inter_token_latency_seconds", description="Mean time between tokens, "
+                                         "one sample per request.", boundaries=ITL_BOUNDARIES_S, tag_keys=tags),
             "prompt_len": ray_metrics.Histogram("llm_request_prompt_tokens", description="Prompt tokens of each "
                                                 "finished request.", boundaries=list(TOKEN_EDGES), tag_keys=tags),
             "output_len": ray_metrics.Histogram("llm_request_generation_tokens", description="Tokens generated for "
