@@ -157,9 +157,12 @@ def test_no_match_or_several_lists_the_repository_s_ggufs() -> None:
 class MockHub:
     """The routes huggingface_hub calls, for one repository: model info (its commit and files) and a file's
     HEAD/GET under resolve/ with the headers the hub sends (X-Repo-Commit, ETag, Content-Length), ranges
-    included. `drop` cuts the next GET of a file halfway through its body; `hold` keeps GETs waiting."""
+    included. `files` are the commit `main` is at (`main`), `commits` every commit's; `move_on` makes a new
+    commit. `drop` cuts the next GET of a file halfway through its body; `hold` keeps GETs waiting."""
 
     files: dict[str, bytes]
+    main: str = SHA
+    commits: dict[str, dict[str, bytes]] = field(default_factory=dict)
     seen: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     drop: set[str] = field(default_factory=set)
     hold: threading.Event = field(default_factory=threading.Event)
@@ -188,6 +191,10 @@ class MockHub:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
+    def move_on(self, commit: str, files: dict[str, bytes]) -> None:
+        self.commits[self.main] = self.files
+        self.main, self.files = commit, files
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.shutdown()
@@ -197,18 +204,18 @@ class MockHub:
         self.seen.append((request.command, request.path, {k.lower(): v for k, v in request.headers.items()}))
         path = request.path.split("?")[0]
         if path in (f"/api/models/{REPO}", f"/api/models/{REPO}/revision/main"):
-            info = {"id": REPO, "sha": SHA, "siblings": [{"rfilename": name} for name in self.files]}
+            info = {"id": REPO, "sha": self.main, "siblings": [{"rfilename": name} for name in self.files]}
             return _send(request, 200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
-        for revision in (SHA, "main"):
-            prefix = f"/{REPO}/resolve/{revision}/"
-            if path.startswith(prefix) and path[len(prefix):] in self.files:
-                return self.send_file(request, path[len(prefix):], body)
+        for commit, files in {**self.commits, self.main: self.files, "main": self.files}.items():
+            prefix = f"/{REPO}/resolve/{commit}/"
+            if path.startswith(prefix) and path[len(prefix):] in files:
+                sha = self.main if commit == "main" else commit
+                return self.send_file(request, sha, files[path[len(prefix):]], path[len(prefix):], body)
         code = "EntryNotFound" if path.startswith(f"/{REPO}/") else "RepoNotFound"
-        _send(request, 404, b"{}", {"X-Error-Code": code, "X-Repo-Commit": SHA}, body)
+        _send(request, 404, b"{}", {"X-Error-Code": code, "X-Repo-Commit": self.main}, body)
 
-    def send_file(self, request: BaseHTTPRequestHandler, name: str, body: bool) -> None:
-        data = self.files[name]
-        headers = {"X-Repo-Commit": SHA, "ETag": f'"{hashlib.sha256(data).hexdigest()}"', "Accept-Ranges": "bytes"}
+    def send_file(self, request: BaseHTTPRequestHandler, commit: str, data: bytes, name: str, body: bool) -> None:
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha256(data).hexdigest()}"', "Accept-Ranges": "bytes"}
         start = int(request.headers["Range"].removeprefix("bytes=").split("-")[0]) if "Range" in request.headers \
             else 0
         if not body:
@@ -314,6 +321,22 @@ def test_a_name_resolves_fetches_and_then_needs_no_hub(hub: MockHub, monkeypatch
         _resolve("owner/repo:Q4_1")  # never fetched
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert _resolve("owner/repo/tiny-Q8_0.gguf").files == (Q8_0,)
+
+
+@pytest.mark.engine
+def test_a_replica_fetches_the_commit_resolved_even_after_the_repository_moved_on(hub: MockHub,
+                                                                                   tmp_path: Path) -> None:
+    """What makes every node of a cluster serve the same bytes: the name is resolved once, and each node (here a
+    second cache, as another node's) fetches that commit, not what `main` is at when it gets there."""
+    from serving.engine.model_store import fetch
+
+    model = _resolve("owner/repo:Q8_0")
+    first = hub.files[Q8_0]
+    hub.move_on("f" * 40, {**hub.files, Q8_0: b"GGUF a requantised file"})
+    other_node = HubSettings(hub.url, tmp_path / "other-node", offline=False)
+    assert fetch(model, other_node).read_bytes() == first
+    assert fetch(model).read_bytes() == first
+    assert _resolve("owner/repo:Q8_0").revision == "f" * 40  # a new resolve follows main
 
 
 @pytest.mark.engine
