@@ -216,3 +216,36 @@ def test_the_engine_places_a_model_over_its_gpu_at_load_and_explicit_settings_wi
         assert engine.config.n_gpu_layers == 2 and engine.config.n_cpu_moe == 0
     finally:
         engine.close()
+
+
+@pytest.mark.engine
+def test_the_replica_serves_what_the_fit_sized_and_the_same_auto_config_again_rebuilds_nothing(
+        tiny_moe: Path) -> None:
+    """Through the replica's host, on this machine's CPU: the auto settings sized once at load; Serve sending the
+    same config again (a redeploy, a restore) compares it with what was asked, not with the sized config."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serving.replica import host as engine_host
+
+    requested = EngineConfig(model=tiny_moe, n_batch=256, n_ubatch=256, **AUTO_ALL)
+    limits = engine_host.HostLimits(max_queued_requests=4, traffic_record=16, tuning_lease_s=60.0,
+                                    config_poll_s=600.0)
+    host = engine_host.EngineHost("r1", limits, SimpleNamespace())
+
+    async def scenario() -> None:
+        await host.take(requested)
+        while host.state() is engine_host.HostState.loading:
+            await asyncio.sleep(0.1)
+        engine = host.ready_engine()
+        sized = engine.config
+        assert sized.sized and engine.requested == requested and sized.n_ctx_per_slot <= 4096
+        await host.apply(EngineConfig(**requested.to_yaml_dict()))  # the same config, as Serve sends it
+        assert engine.config is sized  # not sized again, not rebuilt (a rebuild installs a new config)
+        await host.apply(requested.model_copy(update={"n_parallel": 2}))  # a value: the context only
+        assert engine.config.n_parallel == 2 and engine.weight_loads == 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        host.close()
