@@ -1,5 +1,5 @@
-"""Unit tests of scripts/bench_device.py's pure parts and measure/device.py's arithmetic: roofline and
-bandwidth, the named configs, and the final table.
+"""Unit tests of the device benchmark's pure parts (measure/device_bench.py) and measure/device.py's arithmetic:
+roofline and bandwidth, the named configs, and the final table.
 
 The device phases themselves need llama-server, a model and (for the figures that matter) a GPU; they are
 exercised by the CPU smoke run described in the script's docstring, not here.

@@ -3,7 +3,7 @@
 - measure/ imports neither tuning/ nor a script, at the top, under TYPE_CHECKING or inside a function;
 - no script imports another: no `scripts.` import, no import of a sibling script by its name, and the only path a
   script puts on sys.path is the repository root (the one that reaches measure/ and serving/);
-- tests import no script as a module, except the tools and the bench named below.
+- tests import no script as a module, except the tools named below.
 
 Read from the source with ast: nothing is imported, so an import made by another test cannot hide an edge."""
 
@@ -23,10 +23,7 @@ SCRIPT_NAMES = frozenset(path.stem for path in SCRIPTS.glob("*.py"))
 
 # Tools, not benches: they write model files, and tests write theirs with them.
 TOOLS = frozenset({"make_synthetic_gguf", "make_draft_gguf"})
-# A bench whose tested logic has not moved to measure/ yet: the fit-at-start change was rewriting it as this test
-# was written (issue 42 moves it next).
-NOT_YET_MOVED = frozenset({"bench_device"})
-IMPORTABLE = TOOLS | NOT_YET_MOVED
+IMPORTABLE = TOOLS
 
 # How a script names the repository root: its own folder's parent.
 REPO_ROOT_FORMS = frozenset({"Path(__file__).resolve().parents[1]", "Path(__file__).resolve().parent.parent"})
