@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 
 from measure.device import Bandwidth, measure_bandwidth, roofline_tok_s
-from tests.helpers import script_module
 
 GiB = 1 << 30
 
 
 @pytest.fixture(scope="module")
 def bd():
-    """The script imported as a module (scripts/ is not a package: put it on the path just for the import).
+    """measure/device_bench.py, scripts/bench_device.py's logic.
 
     It imports serving.engine.llama (libllama) first, as every script does: the tests using it are in lane engine."""
-    yield from script_module("bench_device")
+    from measure import device_bench
+
+    return device_bench
 
 
 @pytest.mark.unit
