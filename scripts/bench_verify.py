@@ -9,6 +9,11 @@ Prints median ms per decode for k = 1, 2, 4, 8, 16 (and 32 with --max-k 32) and,
 prompt lookup reached elsewhere (--acceptance, e.g. from scripts/bench_spec.py on the real model), the
 projected single-stream speed-up of a k-token draft: E[tokens per step] * t(1) / t(k + 1), with
 E = (1 - a^(k+1)) / (1 - a) for per-token acceptance a. A projection, not a measurement.
+
+t(1) at an agent's depth is also what the K/V type and flash attention cost a decoded token at long context
+(the trade-off the tuner's 64k and 128k contexts meet), one run per pair:
+
+    python scripts/bench_verify.py --model big.gguf --depth 65536 --max-k 1 --type-kv q8_0 --flash-attn on
 """
 
 from __future__ import annotations
@@ -41,11 +46,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--max-k", type=int, default=16)
     parser.add_argument("--type-kv", default="f16", choices=[c.value for c in CacheType])
+    parser.add_argument("--flash-attn", default=FlashAttn.on.value, choices=[f.value for f in FlashAttn],
+                        help="flash attention (a quantised V cache needs it)")
     parser.add_argument("--acceptance", type=float, default=None, help="per-token acceptance for the projection")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "bench_verify.json")
     args = parser.parse_args(argv)
     config = EngineConfig(model=args.model, n_parallel=1, n_ctx=args.depth + 256, n_batch=512, n_ubatch=512,
-                          type_k=args.type_kv, type_v=args.type_kv, flash_attn=FlashAttn.on)
+                          type_k=args.type_kv, type_v=args.type_kv, flash_attn=FlashAttn(args.flash_attn))
     model = LlamaModel(config.model_path, config.n_gpu_layers, use_extra_bufts(config))
     ctx = LlamaContext(model, config, default_threads())
     vocab = model.n_vocab
@@ -65,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     times[k].append(dt)
     median_ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     report: dict[str, object] = {"provenance": provenance(), "model": str(config.model_path),
-                                 "depth": args.depth, "type_kv": args.type_kv, "median_ms": median_ms,
+                                 "depth": args.depth, "type_kv": args.type_kv, "flash_attn": args.flash_attn,
+                                 "median_ms": median_ms,
                                  "ratio_to_one_row": {k: median_ms[k] / median_ms[1] for k in ks}}
     print("| k rows | ms per decode | x one row |")
     print("| --- | --- | --- |")
