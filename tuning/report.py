@@ -1,4 +1,5 @@
-"""From the Optuna study to a decision: the trial table, the Pareto front, the pick, a markdown report, a plot.
+"""From the Optuna study to a decision: the trial table, the Pareto front, the pick, which settings mattered
+(tuning/importance.py), a markdown report, plots.
 
 Everything is read back from the study's storage, so a resumed study reports all of its trials, and the
 report can be regenerated at any time from the SQLite file alone.
@@ -6,17 +7,21 @@ report can be regenerated at any time from the SQLite file alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from serving.engine.config import EngineConfig
+from tuning import importance
 from tuning.results import Objective, TrialResult
 
-__all__ = ["Objective", "TrialRow", "markdown", "pareto_front", "pick", "rows_from_study", "trial_table"]
+__all__ = ["Objective", "TrialRow", "importance_section", "markdown", "pareto_front", "pick", "rows_from_study",
+           "trial_table"]
 
 PICK_WITHIN = 0.05  # the balanced pick: best aggregate among trials within 5% of the best single stream
 GOODPUT_TIE = 0.02  # goodputs this close tie: at a fixed arrival rate every config that keeps up serves the same
+IMPORTANCE_PLOT = "importance.png"
 
 
 @dataclass
@@ -302,6 +307,22 @@ def capacity_section(rows: list[TrialRow], plot_name: str) -> list[str]:
     return [*out, ""]
 
 
+def importance_section(study: Any, objective: Objective, out_dir: Path) -> list[str]:
+    """Which settings mattered, per objective: a table and out_dir/importance.png; where there are too few
+    trials to say, one line saying so (and no plot)."""
+    try:
+        found = importance.importances(study, (objective.first_label, objective.label))
+    except ValueError as exc:
+        return ["## Which settings mattered", "", f"Not computed: {exc}.", ""]
+    importance.plot(found, out_dir / IMPORTANCE_PLOT)
+    return ["## Which settings mattered", "", f"![Setting importance]({IMPORTANCE_PLOT})", "",
+            f"Each setting's share of importance per objective ({importance.EVALUATOR}, Optuna's default evaluator: "
+            f"how far its values in the best quarter of trials differ from those of all {found.trials} distinct "
+            "configs measured, infeasible ones included at the figures they reported). Over a few dozen trials "
+            "these are indications, not measurements: a setting drawn in few trials can rank high by chance.",
+            "", importance.table(found), ""]
+
+
 def no_pick(rows: list[TrialRow]) -> str:
     """Why there is no pick, in one sentence; on a traffic workload, the trial that came closest to its SLO."""
     measured = [r for r in rows if r.result.traffic is not None and r.result.constraint_mem <= 0
@@ -335,10 +356,11 @@ def latency_section(winner: TrialRow | None) -> list[str]:
 
 def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context: dict[str, Any],
              plot_name: str, capacity_plot: str | None = None, summary: str | None = None,
-             kept: str | None = None) -> str:
+             kept: str | None = None, importances: Sequence[str] = ()) -> str:
     """The report; `summary` (the tuner's pick line, with the confirmed figures) replaces the winner's line
     drawn from the study's single measurements; `kept` (in place: why the served config stays) replaces the
-    winner section, and the latency table is then the search's best trial's."""
+    winner section, and the latency table is then the search's best trial's; `importances`
+    (importance_section's lines) follow the Pareto front and the capacity curves."""
     baseline = next((r for r in rows if r.is_baseline), None)
     front = pareto_front(rows)
     out = ["# Tuning report", ""]
@@ -357,6 +379,7 @@ def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context
     out += latency_section(winner)
     out += ["", "## Pareto front", "", trial_table(front, traffic), ""]
     out += capacity_section(rows, capacity_plot) if capacity_plot else []
+    out += importances
     out += ["## All trials", "", trial_table(rows, traffic), "", *nodes_section(rows),
             "Quality: NLL delta is the mean negative log-likelihood (nats/token) of tuning/data/quality.txt "
             "under the trial's config minus the same with an f16 K/V cache; trials above "
@@ -393,14 +416,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-stream-tok-s", type=float, help="the capacity floor the study measured with")
     args = parser.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    rows = rows_from_study(optuna.load_study(study_name=args.study, storage=args.storage), Objective(args.objective))
+    study = optuna.load_study(study_name=args.study, storage=args.storage)
+    rows = rows_from_study(study, Objective(args.objective))
     winner = pick(rows, args.prefer)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(rows, winner, args.out_dir / "pareto.png")
     capacity = args.min_stream_tok_s is not None and plot_capacity(rows, args.min_stream_tok_s,
                                                                    args.out_dir / "capacity.png")
     context = {"study": args.study, "storage": args.storage, "trials in study": len(rows)}
-    text = markdown(rows, winner, args.prefer, context, "pareto.png", "capacity.png" if capacity else None)
+    text = markdown(rows, winner, args.prefer, context, "pareto.png", "capacity.png" if capacity else None,
+                    importances=importance_section(study, Objective(args.objective), args.out_dir))
     (args.out_dir / "report.md").write_text(text)
     print(f"report: {args.out_dir / 'report.md'}")
     return 0

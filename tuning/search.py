@@ -211,7 +211,8 @@ def finish(plan: StudyPlan, session: Session, storage: Any, context: dict[str, A
                "answered from an earlier trial of the same engine config": answered,
                loads_label: loads, "time loading weights": f"{load_s:.1f} s"}
     summary = pick_summary(study_name, winner, rows, confirmed, opts) if winner is not None else None
-    text = report.markdown(rows, winner, opts.prefer.value, context, "pareto.png", capacity_plot, summary)
+    text = report.markdown(rows, winner, opts.prefer.value, context, "pareto.png", capacity_plot, summary,
+                           importances=report.importance_section(study, opts.objective, out_dir))
     write_report(out_dir, text, confirmed)
     if winner is None or summary is None:
         print(f"{report.no_pick(rows)} Nothing written.", file=sys.stderr)
