@@ -10,7 +10,8 @@
 # CUDA_ARCHS (default 90 = H100/H200). A V100 needs 70 and a CUDA 12.x toolkit: CUDA 13 cannot target sm_70.
 # The ray wheel (~42 MB) is in DIR/bundle_ray (prepare.sh): with the tree, the rest of the bundle does not fit one
 # call's 64 MiB beside it, so carry DIR/bundle_ray in a call before this one; carried folders stay between calls
-# on a warm machine, and this installs both parts (install-bundle.sh adds each to /tmp/site).
+# on a warm machine, and this installs every DIR/bundle* folder there (install-bundle.sh adds each to /tmp/site),
+# so a bundle too big for this call can be split into more folders carried before it (prepare.sh says when).
 set -euo pipefail
 DIR=${1:-.devwork}
 BUILD=${2:-/tmp/lcpp}
@@ -18,7 +19,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 mkdir -p "$BUILD"
 if [ ! -f /tmp/site/.installed ]; then
-  for PART in "$DIR/bundle_ray" "$DIR/bundle"; do
+  for PART in "$DIR"/bundle*/; do
     [ -d "$PART" ] || continue
     bash "$HERE/install-bundle.sh" "$PART" /tmp/site >> "$BUILD/install.log" 2>&1
   done
