@@ -138,6 +138,21 @@ def test_a_replayed_trace_sends_prompts_that_share_the_traces_prefixes(tmp_path:
     assert common_prefix(first, second) == 2 * B and common_prefix(first, third) == 0
 
 
+@pytest.mark.unit
+def test_the_tuners_workload_flag_takes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m tuning.search --workload TRACE.jsonl --slo ...`: the trace is what each trial replays, open loop
+    at its recorded times, its shared blocks said in the workload line; --requests takes its first lines."""
+    from tuning.options import parse_options
+    from tuning.workloads import traffic_plan
+
+    path = write_lines(tmp_path / "toolagent.jsonl", TRACE)
+    opts, plan = traffic_plan(parse_options(["--workload", str(path), "--slo", "ttft_p95=2s", "--requests", "4",
+                                             "--offline"]), None)
+    assert plan is not None and opts.workload == str(path) and plan.workload.arrivals is Arrivals.open
+    assert [r.blocks[:1] for r in plan.workload.requests] == [(0,), (0,), (46,), (46,)]
+    assert "toolagent" in capsys.readouterr().out
+
+
 # -- writing one --------------------------------------------------------------------------------------------------
 @pytest.mark.unit
 def test_requests_without_a_cache_hit_get_ids_of_their_own() -> None:
