@@ -44,17 +44,19 @@ def test_one_replica_per_gpu_each_holding_one_gpu(monkeypatch: pytest.MonkeyPatc
     ingress = deployment_of(serving_app.build_app(config, serving_app.ServerOptions(max_queued_requests=17)))
     # the app's front door holds no model and no CPU; it can hold every request the engines can
     assert ingress.name == INGRESS_NAME and ingress.ray_actor_options["num_cpus"] == 0
-    assert ingress.max_ongoing_requests == 2 * (256 + 17 + 16) + 16
+    assert ingress.max_ongoing_requests == 256 * (256 + 17 + 16) + 16  # as many replicas as the policy may start
     d = deployment_of(ingress.init_args[0])
     assert d.name == DEPLOYMENT_NAME
-    assert d.num_replicas == 2
+    # one per GPU: Serve's autoscaling, whose policy follows the cluster's GPUs (tests/test_scaling.py)
+    assert d._deployment_config.autoscaling_config.initial_replicas == 2
     assert d.ray_actor_options["num_gpus"] == 1 and d.ray_actor_options["num_cpus"] == 1.0
     # above anything the engine can hold (the most slots any config may have + its queue) + headroom
     assert d.max_ongoing_requests == 256 + 17 + 16
     assert d.max_queued_requests == 17
     assert d.user_config == {"engine": config.to_yaml_dict()}
-    # routed around replicas running an in-place trial (serving/replica/routing.py)
-    assert d._deployment_config.request_router_config.request_router_class == "serving.replica.routing:TrialAwareRouter"
+    # routed by prefix affinity, around replicas running an in-place trial (serving/replica/routing.py)
+    assert d._deployment_config.request_router_config.request_router_class == "serving.replica.routing:EngineRouter"
+    assert d._deployment_config.request_router_config.request_router_kwargs == {"affinity": True, "max_imbalance": 4}
     # the replicas' second argument is the app's ConfigChannel
     channel = deployment_of(d.init_args[1])
     assert channel.name == CHANNEL_NAME and channel.num_replicas == 1
@@ -133,26 +135,30 @@ class FakeChannel:
     with failures to inject: `fail_latest` / `fail_ack` calls in a row raise."""
 
     def __init__(self) -> None:
-        self.state: dict[str, Any] = {"epoch": "e1", "version": 0, "engine": None}
+        from serving.replica.control import Latest, Version
+
+        self.state: Any = Latest(Version("e1", 0), None)  # Any: a test feeds it a malformed answer too
         self.acks: list[tuple[str, str, int, str | None]] = []
         self.fail_latest = self.fail_ack = 0
         self.latest = SimpleNamespace(remote=self._latest)
         self.ack = SimpleNamespace(remote=self._ack)
 
     def publish(self, **engine: Any) -> None:
-        self.state = {"epoch": "e1", "version": self.state["version"] + 1, "engine": engine}
+        from serving.replica.control import Latest, Version
 
-    async def _latest(self) -> dict[str, Any]:
+        self.state = Latest(Version("e1", self.state.at.version + 1), EngineConfig(**engine))
+
+    async def _latest(self) -> Any:
         if self.fail_latest:
             self.fail_latest -= 1
             raise ConnectionError("the channel is restarting")
-        return dict(self.state)
+        return self.state
 
-    async def _ack(self, replica: str, epoch: str, version: int, error: str | None = None) -> None:
+    async def _ack(self, replica: str, ack: Any) -> None:
         if self.fail_ack:
             self.fail_ack -= 1
             raise ConnectionError("ack lost")
-        self.acks.append((replica, epoch, version, error))
+        self.acks.append((replica, ack.at.epoch, ack.at.version, ack.error))
 
 
 class FakeReplica:
@@ -227,7 +233,7 @@ def test_follower_survives_a_failed_ack_and_acks_on_the_next_round() -> None:
 def test_follower_loop_keeps_following_through_every_kind_of_failure() -> None:
     """The loop itself (as the replica runs it): an unreachable channel, a malformed answer, a lost ack, a
     config the engine refuses; after all of them the next config is still applied and acknowledged."""
-    from serving.replica.control import ConfigFollower
+    from serving.replica.control import ConfigFollower, Latest, Version
 
     channel, replica = FakeChannel(), FakeReplica(refuse=(3,))
     follower = ConfigFollower(channel, "r1", replica.apply, poll_s=0.001)
@@ -248,7 +254,7 @@ def test_follower_loop_keeps_following_through_every_kind_of_failure() -> None:
         assert channel.acks[0][2] == 1 and "cannot take n_parallel=3" in channel.acks[0][3]
         channel.state = {"unexpected": "shape"}  # a malformed answer
         await asyncio.sleep(0.02)
-        channel.state = {"epoch": "e1", "version": 1, "engine": {"n_parallel": 3, "n_ctx": 768}}
+        channel.state = Latest(Version("e1", 1), EngineConfig(n_parallel=3, n_ctx=768))
         channel.publish(n_parallel=2, n_ctx=512)
         await until(lambda: len(channel.acks) == 2)
         assert channel.acks[1] == ("r1", "e1", 2, None)
@@ -433,7 +439,8 @@ def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_pat
     before = slots_by_replica(two)
     assert len(before) == 2
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP)
-    trial = handle.tune_trial.remote("routing", 1, next(iter(before.values()))["config"], hold)
+    served = EngineConfig(**next(iter(before.values()))["config"])
+    trial = handle.tune_trial.remote("routing", 1, served, hold)
     try:
         deadline = time.monotonic() + 60
         while not started.exists() and time.monotonic() < deadline:
@@ -456,6 +463,54 @@ def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_pat
                 for k in before}
     (free,) = set(before) - {busy}
     assert finished == {busy: 0, free: 6}, finished
+
+
+def routed_counts(base: str) -> dict[tuple[str, str], float]:
+    """llm_requests_routed from the app's /metrics (every replica's), by (why, replica)."""
+    import re
+
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("llm_requests_routed_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            counts[(labels["by"], labels["replica"])] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+@pytest.mark.serve
+@pytest.mark.timeout(300)
+def test_a_returning_conversation_goes_back_to_the_replica_that_served_it(two: str) -> None:
+    """Prefix affinity (serving/replica/routing.py): four conversations take turns, one request at a time. The
+    first turns spread over both replicas (by load: the one holding least); every returning turn goes by
+    affinity to the replica that served its first turn, and finds its history cached there (in the slot or
+    restored from host RAM), as /metrics and its usage say. By chance alone, all four would land there one
+    time in sixteen."""
+    before = routed_counts(two)
+    texts = {c: f"Conversation {c}. " + " ".join(f"item {c * 100 + i} is a river" for i in range(60))
+             for c in range(4)}
+    usage: dict[tuple[int, int], dict[str, Any]] = {}
+    with httpx.Client(timeout=120) as http:
+        for turn in (1, 2):
+            for c, text in texts.items():
+                texts[c] = text + f"\nQuestion {turn}: which item comes first?\nAnswer:"
+                r = http.post(f"{two}/v1/completions", json={"prompt": texts[c], "max_tokens": 8, "ignore_eos": True,
+                                                              "temperature": 0})
+                assert r.status_code == 200, r.text
+                body = assert_generated(r.json())
+                texts[c] += body["choices"][0]["text"]
+                usage[(c, turn)] = body["usage"]
+    after = routed_counts(two)
+    grew = {key: n - before.get(key, 0) for key, n in after.items() if n > before.get(key, 0)}
+    by = {why: sum(n for (w, _), n in grew.items() if w == why) for why in ("affinity", "load", "imbalance",
+                                                                          "overflow")}
+    print(f"routed: {grew}")
+    assert by == {"affinity": 4, "load": 4, "imbalance": 0, "overflow": 0}, grew
+    assert sorted(n for (w, _), n in grew.items() if w == "load") == [2, 2]  # new conversations spread
+    for c in texts:
+        first, back = usage[(c, 1)], usage[(c, 2)]
+        cached = back["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 0.9 * first["prompt_tokens"], (c, first, back)
 
 
 @pytest.mark.serve

@@ -44,7 +44,7 @@ class ReplicaTrial(ConfigTrial):
         measure = InPlaceMeasure(self.settings.workload, self.settings.on_gpu, next(self.requests), self.baseline,
                                  self.settings.traffic)
         try:
-            run: TrialRun = self.handle.tune_trial.remote(self.study, self.trials, config.to_yaml_dict(),
+            run: TrialRun = self.handle.tune_trial.remote(self.study, self.trials, config,
                                                           measure).result()
         except RayError as exc:  # the replica could not run it (a config that does not build, a lost replica)
             raise RuntimeError(f"the replica could not run this trial: {exc}") from exc
@@ -58,7 +58,7 @@ class ReplicaTrial(ConfigTrial):
 def replica_speed(app: str, study: str, trials: int, config: EngineConfig, measure: SpeedMeasure) -> SpeedFigures:
     """One speed measurement of `config` on a serving replica, as a trial of the study (its turn, its
     context rebuilt), for the confirmation round."""
-    run: TrialRun = engine_handle(app).tune_trial.remote(study, trials, config.to_yaml_dict(), measure).result()
+    run: TrialRun = engine_handle(app).tune_trial.remote(study, trials, config, measure).result()
     figures: SpeedFigures = run.measured
     return figures
 

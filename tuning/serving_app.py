@@ -75,7 +75,7 @@ def find_serving_app(app_name: str | None) -> ServingApp | None:
         return None
     replicas = apps[app_name].deployments[DEPLOYMENT_NAME].replica_states.get(ReplicaState.RUNNING, 0)
     handle = engine_handle(app_name)
-    serving = EngineConfig(**handle.served_config.remote().result(timeout_s=120))
+    serving: EngineConfig = handle.served_config.remote().result(timeout_s=120)
     places = tuple(ReplicaPlace.from_dict(p) for p in handle.broadcast("place").results(timeout_s=60))
     return ServingApp(app_name, int(replicas), serving, places)
 

@@ -14,12 +14,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from serving.engine.config import EngineConfig
 from tuning.serving_app import engine_apps, named_app
+
+if TYPE_CHECKING:  # the channel's records; importing the channel module loads Ray
+    from serving.replica.control import Ack, Version
 
 
 def write_config(path: Path, config: EngineConfig, header: str = "") -> None:
@@ -46,7 +49,7 @@ class ApplyResult:
 
     applied: bool
     message: str
-    replicas: dict[str, Any] | None = None
+    replicas: dict[str, Ack] | None = None  # each replica's acknowledgement of the published version
 
 
 def apply_to_serve(config: EngineConfig, app_name: str | None = None, address: str | None = "auto",
@@ -75,11 +78,11 @@ def apply_to_serve(config: EngineConfig, app_name: str | None = None, address: s
         return ApplyResult(False, f"no Serve app{named} with a {DEPLOYMENT_NAME} deployment to apply to "
                                   f"(running: {running}); only the file was written")
     channel = serve.get_deployment_handle(CHANNEL_NAME, app_name=app_name)
-    published = channel.publish.remote(config.to_yaml_dict()).result()
+    published: Version = channel.publish.remote(config).result()
     return _wait_for_acks(channel, published, app_name, DEPLOYMENT_NAME, timeout_s)
 
 
-def _wait_for_acks(channel: Any, published: dict[str, Any], app_name: str, deployment: str,
+def _wait_for_acks(channel: Any, published: Version, app_name: str, deployment: str,
                    timeout_s: float) -> ApplyResult:
     from ray import serve
     from ray.serve.schema import ReplicaState
@@ -88,10 +91,9 @@ def _wait_for_acks(channel: Any, published: dict[str, Any], app_name: str, deplo
     while time.monotonic() < deadline:
         states = serve.status().applications[app_name].deployments[deployment].replica_states
         running = states.get(ReplicaState.RUNNING, 0)
-        acks = channel.acks.remote().result()
-        done = {r: a for r, a in acks.items()
-                if a["epoch"] == published["epoch"] and a["version"] == published["version"]}
-        errors = {r: a["error"] for r, a in done.items() if a["error"]}
+        acks: dict[str, Ack] = channel.acks.remote().result()
+        done = {r: a for r, a in acks.items() if a.at == published}
+        errors = {r: a.error for r, a in done.items() if a.error}
         if errors:
             return ApplyResult(False, f"replicas rejected the config: {errors}", done)
         if running and len(done) >= running:

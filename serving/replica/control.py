@@ -14,6 +14,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
@@ -26,31 +27,55 @@ CHANNEL_NAME = "ConfigChannel"
 DEPLOYMENT_NAME = "LlamaServer"  # the engine replicas' deployment (serving/app.py), named here for tuning/
 
 
+@dataclass(frozen=True)
+class Version:
+    """A published config's place in the channel's history: the epoch changes when the channel restarts, so a
+    restarted channel's version 1 is never taken for an old one."""
+
+    epoch: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Latest:
+    """What a replica polls: the latest published config (None before any) and its version."""
+
+    at: Version
+    engine: EngineConfig | None
+
+
+@dataclass(frozen=True)
+class Ack:
+    """A replica's acknowledgement: the version it applied, or tried to (`error` says why it could not)."""
+
+    at: Version
+    error: str | None = None
+
+
 @serve.deployment(name=CHANNEL_NAME, num_replicas=1, max_ongoing_requests=1000,
                   ray_actor_options={"num_cpus": 0})
 class ConfigChannel:
     """Holds the latest published engine config and each replica's acknowledgement of it."""
 
     def __init__(self) -> None:
-        self._epoch = uuid.uuid4().hex  # a restarted channel never looks like an old version
-        self._version = 0
-        self._engine: dict[str, Any] | None = None
-        self._acks: dict[str, dict[str, Any]] = {}
+        self._at = Version(uuid.uuid4().hex, 0)  # a restarted channel never looks like an old version
+        self._engine: EngineConfig | None = None
+        self._acks: dict[str, Ack] = {}
 
-    def publish(self, engine: dict[str, Any]) -> dict[str, Any]:
-        """Announce a new engine config (validated here, so a bad one never reaches a replica)."""
-        EngineConfig(**engine)
-        self._version += 1
-        self._engine = engine
-        return {"epoch": self._epoch, "version": self._version}
+    def publish(self, engine: EngineConfig | dict[str, Any]) -> Version:
+        """Announce a new engine config: the typed config (the tuner's write-back), or an operator's dict of
+        settings, validated here so a bad one never reaches a replica."""
+        self._engine = engine if isinstance(engine, EngineConfig) else EngineConfig(**engine)
+        self._at = Version(self._at.epoch, self._at.version + 1)
+        return self._at
 
-    def latest(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "version": self._version, "engine": self._engine}
+    def latest(self) -> Latest:
+        return Latest(self._at, self._engine)
 
-    def ack(self, replica: str, epoch: str, version: int, error: str | None = None) -> None:
-        self._acks[replica] = {"epoch": epoch, "version": version, "error": error}
+    def ack(self, replica: str, ack: Ack) -> None:
+        self._acks[replica] = ack
 
-    def acks(self) -> dict[str, dict[str, Any]]:
+    def acks(self) -> dict[str, Ack]:
         return dict(self._acks)
 
 
@@ -70,8 +95,8 @@ class ConfigFollower:
     def __init__(self, channel: Any, replica: str, apply: Callable[[EngineConfig], Awaitable[None]],
                  poll_s: float) -> None:
         self._channel, self._replica, self._apply, self._poll_s = channel, replica, apply, poll_s
-        self.applied: tuple[str, int] | None = None  # the last (epoch, version) applied (or tried)
-        self.acked: tuple[str, int] | None = None  # the last (epoch, version) the channel has an ack for
+        self.applied: Version | None = None  # the last version applied (or tried)
+        self.acked: Version | None = None  # the last version the channel has an ack for
         self._error: str | None = None
 
     async def run(self) -> None:
@@ -82,9 +107,8 @@ class ConfigFollower:
     async def poll_once(self) -> None:
         """One round; never raises (except CancelledError, which ends the loop)."""
         try:
-            latest = await self._channel.latest.remote()
-            key = (str(latest["epoch"]), int(latest["version"]))
-            engine = latest["engine"]
+            latest: Latest = await self._channel.latest.remote()
+            key, engine = latest.at, latest.engine
         except Exception:
             log.warning("config channel unreachable or its answer malformed; trying again next round",
                         exc_info=True)
@@ -94,13 +118,13 @@ class ConfigFollower:
         if key != self.applied:
             self.applied, self._error = key, None
             try:
-                await self._apply(EngineConfig(**engine))
+                await self._apply(engine)
             except Exception as exc:
                 log.exception("applying the published config %s failed", key)
                 self._error = f"{type(exc).__name__}: {exc}"
         if key != self.acked:
             try:
-                await self._channel.ack.remote(self._replica, key[0], key[1], self._error)
+                await self._channel.ack.remote(self._replica, Ack(key, self._error))
             except Exception:
                 log.warning("acknowledging config %s failed; retrying next round", key, exc_info=True)
                 return

@@ -263,10 +263,10 @@ class EngineHost:
         return engine.traffic_summary(self.replica)
 
     # -- in-place tuning -------------------------------------------------------------------------------
-    def served_config(self) -> dict[str, Any]:
+    def served_config(self) -> EngineConfig:
         """The config this replica serves (outside a study's trials)."""
         study = self.trials.study
-        return (study.serving if study is not None else self.ready_engine().config).to_yaml_dict()
+        return study.serving if study is not None else self.ready_engine().config
 
-    async def tune_trial(self, study: str, trials: int, config: dict[str, Any], measure: Measure) -> TrialRun:
-        return await self.trials.run_trial(study, trials, EngineConfig(**config), measure)
+    async def tune_trial(self, study: str, trials: int, config: EngineConfig, measure: Measure) -> TrialRun:
+        return await self.trials.run_trial(study, trials, config, measure)

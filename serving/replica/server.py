@@ -32,6 +32,7 @@ from serving.front.ingress import HealthReport
 from serving.front.relay import RelayedPart, RelayedRequest, run_relayed
 from serving.openai.anthropic_routes import MessagesRoutes
 from serving.openai.routes import OpenAIRoutes, build_api
+from serving.replica.affinity import RouteNote, RoutedBy
 from serving.replica.control import DEPLOYMENT_NAME
 from serving.replica.control_routes import ControlRoutes, gather_traffic
 from serving.replica.host import LOAD_FAILED, EngineHost, HostLimits, HostState
@@ -128,16 +129,19 @@ class LlamaServer:
         return health_report(self.host.state())
 
     # -- in-place tuning (tuning/inplace.py calls these through a handle) -----------------------------
-    async def served_config(self) -> dict[str, Any]:
+    async def served_config(self) -> EngineConfig:
         return self.host.served_config()
 
-    async def tune_trial(self, study: str, trials: int, config: dict[str, Any], measure: Measure) -> TrialRun:
+    async def tune_trial(self, study: str, trials: int, config: EngineConfig, measure: Measure) -> TrialRun:
         """A trial of an in-place study, on this replica's engine and weights (serving/replica/trials.py)."""
         return await self.host.tune_trial(study, trials, config, measure)
 
     # -- the relay from the ingress ------------------------------------------------------------------
-    async def forward(self, request: RelayedRequest) -> AsyncIterator[RelayedPart]:
-        """A request the ingress relayed, answered by this replica's own app (serving/front/relay.py)."""
+    async def forward(self, request: RelayedRequest, routed: RouteNote | None = None) -> AsyncIterator[RelayedPart]:
+        """A request the ingress relayed, answered by this replica's own app (serving/front/relay.py); `routed`:
+        why the router sent it here (serving/replica/routing.py), counted in /metrics."""
+        if routed is not None:
+            self.metrics.record_routed(routed.by if routed.replica == self.host.replica else RoutedBy.overflow)
         self._relays += 1
         try:
             async for part in run_relayed(self.api, request, self.stream_spacing):
