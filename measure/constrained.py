@@ -30,15 +30,28 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 WEATHER: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
     "required": ["city", "unit"]}}}
+# An object with an array of objects holding an array of objects: the shape whose forced call was measured
+# slower than its JSON schema (issue 43, docs/log/2026-12-07-cpu-forced-call-nested.md)
+ORDER: dict[str, Any] = {"type": "object", "properties": {
+    "customer": {"type": "string"},
+    "items": {"type": "array", "items": {"type": "object", "properties": {
+        "sku": {"type": "string"}, "qty": {"type": "integer"},
+        "options": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "value": {"type": "string"}}, "required": ["name", "value"]}}},
+        "required": ["sku", "qty", "options"]}}},
+    "required": ["customer", "items"]}
+PLACE_ORDER: dict[str, Any] = {"type": "function", "function": {
+    "name": "place_order", "description": "Place an order", "parameters": ORDER}}
 
 
 @dataclass(frozen=True)
 class Mode:
-    """One kind of constrained request: its question, whether tools are shown, and its constraint as the
-    server compiles it (an llguidance guide) and as GBNF (llama.cpp's grammar sampler, the reference)."""
+    """One kind of constrained request: its question, the tools its prompt shows (none: a plain question), and its
+    constraint as the server compiles it (an llguidance guide) and as GBNF (llama.cpp's grammar sampler, the
+    reference)."""
 
     text: str
-    tools: bool
+    tools: tuple[dict[str, Any], ...]
     guide: Constraint
     gbnf: str
 
@@ -51,34 +64,49 @@ def gbnf_of(schema: dict[str, Any], rule: str = "") -> tuple[str, str]:
     return str(converter.format_grammar()), str(top)
 
 
-def modes() -> dict[str, Mode]:
-    """The constrained modes: the forced call's GBNF is the same Hermes-style block the guide describes."""
-    params = WEATHER["function"]["parameters"]
-    call = {"type": "object", "properties": {"name": {"const": "get_weather"},
-                                             "arguments": bounded(params, CALL_BOUNDS)},
+def tool_mode(text: str, tool: dict[str, Any]) -> Mode:
+    """A forced call of `tool`: its guide as the server compiles it, and its GBNF the same Hermes-style block."""
+    name, params = tool["function"]["name"], tool["function"]["parameters"]
+    call = {"type": "object", "properties": {"name": {"const": name}, "arguments": bounded(params, CALL_BOUNDS)},
             "required": ["name", "arguments"], "additionalProperties": False}
     rules, top = gbnf_of(call, "call")
-    tool_gbnf = f'root ::= "<tool_call>\\n" {top} "\\n</tool_call>"\n{rules}'
+    gbnf = f'root ::= "<tool_call>\\n" {top} "\\n</tool_call>"\n{rules}'
+    return Mode(text, (tool,), tool_call_guide([(name, params)], parallel=False), gbnf)
+
+
+def schema_mode(text: str, schema: dict[str, Any]) -> Mode:
+    """An answer to `schema` (response_format json_schema), no tools shown."""
+    guide = response_format_guide("json_schema", schema)
+    assert guide is not None
+    return Mode(text, (), guide, gbnf_of(bounded(schema, ANSWER_BOUNDS))[0])
+
+
+def modes() -> dict[str, Mode]:
+    """The constrained modes. The nested pair is one schema (ORDER: arrays of objects in an object) as a
+    forced call's arguments and as a json_schema answer, the question the same."""
     json_object = response_format_guide("json_object")
     assert json_object is not None
+    order = "Order two red A1 widgets and one B7 gadget for Alice."
     return {
-        "json_object": Mode("Describe a person as JSON: name, age, city and hobbies.", False, json_object,
-                            JSON_GBNF),
-        "json_schema": Mode("Describe a person: name, age, city and hobbies.", False,
-                            response_format_guide("json_schema", PERSON) or json_object,
-                            gbnf_of(bounded(PERSON, ANSWER_BOUNDS))[0]),
-        "tool_call": Mode("What's the weather in Paris, in celsius?", True,
-                          tool_call_guide([("get_weather", params)], parallel=False), tool_gbnf),
+        "json_object": Mode("Describe a person as JSON: name, age, city and hobbies.", (), json_object, JSON_GBNF),
+        "json_schema": schema_mode("Describe a person: name, age, city and hobbies.", PERSON),
+        "tool_call": tool_mode("What's the weather in Paris, in celsius?", WEATHER),
+        "json_schema_nested": schema_mode(order, ORDER),
+        "tool_call_nested": tool_mode(order, PLACE_ORDER),
     }
 
 
-# One valid answer per mode (its PERSON schema, its get_weather tool).
+# One valid answer per mode (its PERSON schema, its get_weather tool, its ORDER schema and place_order tool).
+_ORDERED = {"customer": "Alice", "items": [{"sku": "A1", "qty": 2, "options": [{"name": "color", "value": "red"}]},
+                                           {"sku": "B7", "qty": 1, "options": []}]}
 ANSWERS = {
     "json_object": json.dumps({"name": "Alice", "age": 34, "note": "likes chess and long walks"}),
     "json_schema": json.dumps({"name": "Alice Smith", "age": 34, "city": "Paris",
                                "hobbies": ["reading", "hiking", "chess"]}),
     "tool_call": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
                  '\n</tool_call>',
+    "json_schema_nested": json.dumps(_ORDERED),
+    "tool_call_nested": "<tool_call>\n" + json.dumps({"name": "place_order", "arguments": _ORDERED}) + "\n</tool_call>",
 }
 CALLS = ("check", "advance", "mask", "unpack")
 

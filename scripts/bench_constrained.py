@@ -47,6 +47,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -59,15 +60,19 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from serving.engine import llama as _llama  # noqa: E402,F401  (first: the library load order, see serving/engine/llama.py)
-from measure.constrained import PERSON, WEATHER, Mode, gbnf_of, modes  # noqa: E402
+from measure.constrained import PERSON, Mode, gbnf_of, modes  # noqa: E402
+from measure.design import median_interval, rotated  # noqa: E402
 from measure.provenance import provenance, write_report  # noqa: E402
 from measure.targets import llama_server, llama_server_flags  # noqa: E402
-from serving.engine.config import EngineConfig  # noqa: E402
+from serving.engine.config import THREADS_ENV, EngineConfig  # noqa: E402
 from serving.engine.core import Engine  # noqa: E402
 from serving.engine.request import (Constraint, ConstraintKind, FinishReason, GenerationChunk, SamplingParams,  # noqa: E402
                              Usage)
 from serving.openai.structured import ANSWER_BOUNDS, bounded, json_schema_guide  # noqa: E402
 from serving.openai.tools import messages_for_plain_template  # noqa: E402
+
+PEER_MODES = ("json_object", "json_schema", "tool_call")  # what --llama-server runs (its answers are checked)
+
 
 def large_schema(n: int = 60, salt: str = "") -> dict[str, Any]:
     """A schema of an API's size: `n` properties cycling through strings with bounds, integers with ranges,
@@ -111,10 +116,10 @@ def compile_times(engine: Engine) -> dict[str, float]:
             "guide_vocab_cached_ms": vocab_again, "gbnf_ms": gbnf_ms, "gbnf_sampler_ms": sampler_ms}
 
 
-def prompt(engine: Engine, text: str, tools: bool, n: int) -> list[int]:
+def prompt(engine: Engine, text: str, tools: tuple[dict[str, Any], ...], n: int) -> list[int]:
     messages = [{"role": "user", "content": f"(request {n}) {text}"}]
     if tools:
-        messages = messages_for_plain_template(messages, [WEATHER])
+        messages = messages_for_plain_template(messages, list(tools))
     return engine.tokenize_prompt(engine.render_chat(messages))
 
 
@@ -128,12 +133,14 @@ def generate(engine: Engine, tokens: list[int], params: SamplingParams) -> Usage
     return last.usage
 
 
-def run(engine: Engine, text: str, constraint: Constraint | None, tools: bool, n: int, gen: int,
-        ignore_eos: bool = False) -> dict[str, Any]:
-    """One request from an empty slot (the engine has one), so that every run prefills its prompt."""
+def run(engine: Engine, text: str, constraint: Constraint | None, tools: tuple[dict[str, Any], ...], n: int,
+        gen: int, ignore_eos: bool = False, temperature: float = 0.0) -> dict[str, Any]:
+    """One request from an empty slot (the engine has one), so that every run prefills its prompt; streamed, as
+    the routes take it (a chunk a token, read as it comes). Sampled (`temperature` > 0) with the seed `n`."""
     engine.erase_slot(0)
     before = engine.stats()["counters"]
-    params = SamplingParams(max_tokens=gen, temperature=0.0, constraint=constraint, ignore_eos=ignore_eos)
+    params = SamplingParams(max_tokens=gen, temperature=temperature, seed=n, constraint=constraint,
+                            ignore_eos=ignore_eos)
     usage = generate(engine, prompt(engine, text, tools, n), params)
     after = engine.stats()["counters"]
     return {"decode_tok_s": usage.decode_tok_s, "tokens": usage.completion_tokens,
@@ -197,7 +204,8 @@ def breakdown(engine: Engine, table: dict[str, Mode], rounds: int, gen: int) -> 
 def server_body(name: str, mode: Mode, n: int, max_tokens: int, twin: bool) -> dict[str, Any]:
     """The request as llama-server's API says it: the mode's own fields, or (the twin) none of them."""
     messages = [{"role": "user", "content": f"(request {n}) {mode.text}"}]
-    body: dict[str, Any] = {"messages": messages_for_plain_template(messages, [WEATHER]) if mode.tools else messages,
+    body: dict[str, Any] = {"messages": messages_for_plain_template(messages, list(mode.tools)) if mode.tools
+                            else messages,
                             "max_tokens": max_tokens, "temperature": 0.0, "stream": False, "cache_prompt": False}
     if mode.tools and not twin:
         body["grammar"] = mode.gbnf
@@ -278,13 +286,14 @@ def summarise(samples: dict[str, list[dict[str, Any]]], twins: dict[str, list[di
     for name, runs in samples.items():
         tok_s = statistics.median(s["decode_tok_s"] for s in runs)
         free = statistics.median(s["decode_tok_s"] for s in twins[name])
-        ratio = statistics.median(c["decode_tok_s"] / t["decode_tok_s"] for c, t in zip(runs, twins[name],
-                                                                                         strict=True))
+        each = sorted(c["decode_tok_s"] / t["decode_tok_s"] for c, t in zip(runs, twins[name], strict=True))
+        ratio = statistics.median(each)
         tokens = sum(s["tokens"] for s in runs)
         resampled = (sum(s["resamples"] for s in runs) / max(tokens, 1)) if all("resamples" in s for s in runs) \
             else None
         results[name] = {"decode_tok_s": tok_s, "unconstrained_tok_s": free, "ms_per_token": 1e3 / tok_s,
-                         "vs_unconstrained": ratio, "tokens": tokens, "resample_rate": resampled}
+                         "vs_unconstrained": ratio, "vs_unconstrained_95": median_interval(each),
+                         "ratios": each, "tokens": tokens, "resample_rate": resampled}
     return results
 
 
@@ -295,6 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--gen-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--modes", default=",".join(modes()),
+                        help="comma-separated modes to run (default: all of measure/constrained.py's)")
+    parser.add_argument("--no-gbnf", action="store_true", help="leave out the GBNF rows")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (seed: the round), constrained runs and twins alike")
     parser.add_argument("--breakdown", type=int, default=0, metavar="N",
                         help="then N rounds per guide mode with the step's parts timed (see above)")
     parser.add_argument("--llama-server", metavar="BINARY", help="also run llama-server on the same requests")
@@ -304,9 +318,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = EngineConfig(model=args.model, n_gpu_layers=args.gpu_layers, n_parallel=1, n_ctx=2048, seed=1,
                           n_threads=args.threads, cache_ram_mib=0)
     engine = Engine(config)
-    table = modes()
+    every = modes()
+    table = {name: every[name] for name in args.modes.split(",")}
     ours = {**{name: (mode, mode.guide) for name, mode in table.items()},
-            **{f"{name} (GBNF)": (mode, Constraint(ConstraintKind.gbnf, mode.gbnf)) for name, mode in table.items()}}
+            **({} if args.no_gbnf else {f"{name} (GBNF)": (mode, Constraint(ConstraintKind.gbnf, mode.gbnf))
+                                       for name, mode in table.items()})}
+    temperature = args.temperature
     samples: dict[str, list[dict[str, Any]]] = {m: [] for m in ours}
     twins: dict[str, list[dict[str, Any]]] = {m: [] for m in ours}
     try:
@@ -314,10 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             run(engine, mode.text, constraint, mode.tools, 0, 16)
             run(engine, mode.text, None, mode.tools, 0, 16)
         for r in range(args.rounds):
-            for name in (list(ours) if r % 2 == 0 else list(reversed(ours))):
+            for name in rotated(list(ours), r):
                 mode, constraint = ours[name]
-                constrained = run(engine, mode.text, constraint, mode.tools, r + 1, args.gen_tokens)
-                twin = run(engine, mode.text, None, mode.tools, r + 1, constrained["tokens"], ignore_eos=True)
+                constrained = run(engine, mode.text, constraint, mode.tools, r + 1, args.gen_tokens,
+                                  temperature=temperature)
+                twin = run(engine, mode.text, None, mode.tools, r + 1, constrained["tokens"], ignore_eos=True,
+                           temperature=temperature)
                 samples[name].append(constrained)
                 twins[name].append(twin)
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
@@ -328,19 +347,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         engine.close()
     results = summarise(samples, twins)
-    peer = (asyncio.run(measure_llama_server(args.llama_server, config, shlex.split(args.server_args), table,
+    peer_modes = {name: mode for name, mode in table.items() if name in PEER_MODES}
+    peer = (asyncio.run(measure_llama_server(args.llama_server, config, shlex.split(args.server_args), peer_modes,
                                              args.rounds, args.gen_tokens)) if args.llama_server else None)
-    report = {"provenance": provenance(), "config": config.to_yaml_dict(), "results": results,
+    report = {"provenance": provenance(), "config": config.to_yaml_dict(),
+              "run": {"modes": list(table), "rounds": args.rounds, "gen_tokens": args.gen_tokens,
+                      "temperature": temperature, "threads_env": os.environ.get(THREADS_ENV)},
+              "results": results,
               "llama_server": peer, "compile": compiled, "breakdown_us_per_token": parts}
     write_report(args.out, report)
     print("| server | mode | decode tok/s | same request unconstrained | ms/token | x unconstrained (paired) | "
-          "resampled tokens |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "95% interval | resampled tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for server, rows in (("ours", results), ("llama-server", peer["results"] if peer else {})):  # ours: both kinds
         for name, res in rows.items():
             rate = "" if res["resample_rate"] is None else f"{res['resample_rate']:.0%}"
+            interval = res["vs_unconstrained_95"]
+            low_high = f"{interval[0]:.3f}-{interval[1]:.3f}" if interval else ""
             print(f"| {server} | {name} | {res['decode_tok_s']:.1f} | {res['unconstrained_tok_s']:.1f} | "
-                  f"{res['ms_per_token']:.2f} | {res['vs_unconstrained']:.3f} | {rate} |")
+                  f"{res['ms_per_token']:.2f} | {res['vs_unconstrained']:.3f} | {low_high} | {rate} |")
     print("compile, a schema of {properties} properties ({schema_chars} characters): llguidance {guide_ms:.1f} ms "
           "(cached {guide_cached_ms:.3f}), for the vocabulary {guide_vocab_ms:.1f} ms (cached {guide_vocab_cached_ms:.3f}"
           "); GBNF {gbnf_ms:.1f} ms, llama.cpp's grammar sampler {gbnf_sampler_ms:.1f} ms".format(**compiled))
