@@ -15,6 +15,9 @@ How (measured working on the GPU machine, see shared/device-notes.md "Synthetic 
   and special token ids, so chat requests and tokenisation work;
 - 2-D weights written as raw quantised blocks with small valid scales (finite values), norms and
   biases as F32;
+- besides attention models, two kinds of memory llama.cpp keeps differently: `mamba` (a recurrent state per
+  sequence) and `lfm2` (hybrid: short-convolution layers with a recurrent state, and attention layers), for
+  tests of what a slot can reuse (the `tinymamba` and `tinylfm2` presets);
 - one random block pool per quantisation type, viewed per tensor shape, and tensors streamed to
   disk one at a time, so RAM use is about the largest tensor (~0.44 GB for the 27B class).
 """
@@ -61,11 +64,15 @@ class ModelShape:
     experts_used: int = 0
     expert_ffn: int = 0  # each expert's FFN width
     key_length: int = 0  # per-head width when it is not hidden / heads (Qwen3)
+    ssm_state: int = 0  # mamba: the state's width per channel (d_state)
+    ssm_dt_rank: int = 0  # mamba: the time step's rank
+    conv_kernel: int = 0  # mamba's convolution kernel; lfm2's short convolution (its l_cache)
+    attention_layers: tuple[int, ...] = ()  # lfm2: the layers that attend (the others convolve)
 
     @property
     def head_dim(self) -> int:
-        """Per-head width; llama.cpp derives it as hidden / heads when no key_length is given."""
-        return self.key_length or self.hidden // self.heads
+        """Per-head width; llama.cpp derives it as hidden / heads when no key_length is given (0 without heads)."""
+        return self.key_length or (self.hidden // self.heads if self.heads else 0)
 
     @property
     def moe(self) -> bool:
@@ -86,6 +93,12 @@ PRESETS: dict[str, ModelShape] = {
     # The same shape in miniature for CPU tests: 4 layers of 8 experts, 2 used; ~15 MB at Q8_0.
     "tinymoe": ModelShape("qwen3moe", 4, 256, 4, 2, 512, 49152, 4096, 1_000_000.0, 1e-6, True, False, "q8_0",
                           experts=8, experts_used=2, expert_ffn=128, key_length=64),
+    # Recurrent (Mamba 1: inner width twice the hidden one, as llama.cpp requires), in miniature: ~14 MB.
+    "tinymamba": ModelShape("mamba", 2, 256, 0, 0, 0, 49152, 4096, 10_000.0, 1e-5, True, False, "q8_0",
+                            ssm_state=16, ssm_dt_rank=16, conv_kernel=4),
+    # Hybrid (LFM2: short convolutions with a recurrent state, attention in layers 1 and 3): ~15 MB.
+    "tinylfm2": ModelShape("lfm2", 4, 256, 4, 2, 512, 49152, 4096, 1_000_000.0, 1e-5, True, False, "q8_0",
+                           conv_kernel=3, attention_layers=(1, 3)),
 }
 
 
@@ -164,7 +177,8 @@ class TensorPlan:
 
     name: str
     shape: tuple[int, ...]
-    kind: str  # "weight" (quantised 2-D, or 3-D: one matrix per expert), "norm" (F32 ones) or "bias" (F32 random)
+    kind: str  # "weight" (quantised 2-D, or 3-D: one matrix per expert), "norm" (F32 ones), "bias" (F32 random)
+    # or "decay" (F32 -1: a state space layer's A, negative so its state decays as a trained one's does)
 
 
 @dataclass(frozen=True)
@@ -239,7 +253,9 @@ def pad_vocab(tokens: list[bytes], token_types: list[int], vocab: int) -> tuple[
 
 def validate_shape(shape: ModelShape) -> None:
     """Reject shapes llama.cpp cannot load, with a message that says which flag to change."""
-    spec = QTYPES[shape.qtype]
+    if shape.arch == "mamba":
+        _validate_widths(shape, [("hidden", shape.hidden)])
+        return
     if shape.hidden % shape.heads:
         raise ValueError(f"hidden {shape.hidden} is not divisible by heads {shape.heads}")
     if shape.heads % shape.kv_heads:
@@ -247,6 +263,11 @@ def validate_shape(shape: ModelShape) -> None:
     widths = [("hidden", shape.hidden), ("ffn", shape.ffn)] + ([("expert ffn", shape.expert_ffn)] if shape.moe else [])
     if shape.moe and not 0 < shape.experts_used <= shape.experts:
         raise ValueError(f"experts_used {shape.experts_used} must be in 1..experts ({shape.experts})")
+    _validate_widths(shape, widths)
+
+
+def _validate_widths(shape: ModelShape, widths: list[tuple[str, int]]) -> None:
+    spec = QTYPES[shape.qtype]
     for what, width in widths:
         if width % spec.block_weights:
             raise ValueError(
@@ -260,9 +281,10 @@ def plan_tensors(shape: ModelShape) -> list[TensorPlan]:
     names = gguf.TENSOR_NAMES
     t = gguf.MODEL_TENSOR
     kv_width = shape.kv_heads * shape.head_dim
+    output_norm = t.TOKEN_EMBD_NORM if shape.arch == "lfm2" else t.OUTPUT_NORM  # LFM2's name for it
     plan = [
         TensorPlan(names[t.TOKEN_EMBD] + ".weight", (shape.vocab, shape.hidden), "weight"),
-        TensorPlan(names[t.OUTPUT_NORM] + ".weight", (shape.hidden,), "norm"),
+        TensorPlan(names[output_norm] + ".weight", (shape.hidden,), "norm"),
     ]
     if not shape.tied_embeddings:
         plan.append(TensorPlan(names[t.OUTPUT] + ".weight", (shape.vocab, shape.hidden), "weight"))
@@ -271,8 +293,64 @@ def plan_tensors(shape: ModelShape) -> list[TensorPlan]:
     return plan
 
 
+def _mamba_layer_plan(shape: ModelShape, bid: int) -> list[TensorPlan]:
+    """One Mamba block as llama.cpp's loader wants it (src/models/mamba.cpp): inner width 2 * hidden; the
+    convolution, time step and state tensors in F32 (their rows are narrower than a quant block)."""
+    t = gguf.MODEL_TENSOR
+    inner, rank, state = 2 * shape.hidden, shape.ssm_dt_rank, shape.ssm_state
+
+    def name(tensor: gguf.MODEL_TENSOR, suffix: str = "") -> str:
+        return gguf.TENSOR_NAMES[tensor].format(bid=bid) + suffix
+
+    return [
+        TensorPlan(name(t.ATTN_NORM, ".weight"), (shape.hidden,), "norm"),
+        TensorPlan(name(t.SSM_IN, ".weight"), (2 * inner, shape.hidden), "weight"),
+        TensorPlan(name(t.SSM_CONV1D, ".weight"), (inner, shape.conv_kernel), "bias"),
+        TensorPlan(name(t.SSM_CONV1D, ".bias"), (inner,), "bias"),
+        TensorPlan(name(t.SSM_X, ".weight"), (rank + 2 * state, inner), "weight"),
+        TensorPlan(name(t.SSM_DT, ".weight"), (inner, rank), "bias"),
+        TensorPlan(name(t.SSM_DT, ".bias"), (inner,), "bias"),
+        TensorPlan(name(t.SSM_A), (inner, state), "decay"),
+        TensorPlan(name(t.SSM_D), (inner,), "norm"),
+        TensorPlan(name(t.SSM_OUT, ".weight"), (shape.hidden, inner), "weight"),
+    ]
+
+
+def _lfm2_layer_plan(shape: ModelShape, bid: int, kv_width: int) -> list[TensorPlan]:
+    """One LFM2 block (src/models/lfm2.cpp): an attention layer (q/k normalised per head) where `bid` is in
+    attention_layers, else a short convolution (its kernel F32: conv_kernel wide); a SwiGLU FFN either way."""
+    t = gguf.MODEL_TENSOR
+
+    def name(tensor: gguf.MODEL_TENSOR) -> str:
+        return gguf.TENSOR_NAMES[tensor].format(bid=bid) + ".weight"
+
+    plan = [TensorPlan(name(t.ATTN_NORM), (shape.hidden,), "norm")]
+    if bid in shape.attention_layers:
+        plan += [TensorPlan(name(t.ATTN_Q_NORM), (shape.head_dim,), "norm"),
+                 TensorPlan(name(t.ATTN_K_NORM), (shape.head_dim,), "norm"),
+                 TensorPlan(name(t.ATTN_Q), (shape.hidden, shape.hidden), "weight"),
+                 TensorPlan(name(t.ATTN_K), (kv_width, shape.hidden), "weight"),
+                 TensorPlan(name(t.ATTN_V), (kv_width, shape.hidden), "weight"),
+                 TensorPlan(name(t.ATTN_OUT), (shape.hidden, shape.hidden), "weight")]
+    else:
+        plan += [TensorPlan(name(t.SHORTCONV_CONV), (shape.hidden, shape.conv_kernel), "bias"),
+                 TensorPlan(name(t.SHORTCONV_INPROJ), (3 * shape.hidden, shape.hidden), "weight"),
+                 TensorPlan(name(t.SHORTCONV_OUTPROJ), (shape.hidden, shape.hidden), "weight")]
+    return plan + [
+        TensorPlan(name(t.FFN_NORM), (shape.hidden,), "norm"),
+        TensorPlan(name(t.FFN_GATE), (shape.ffn, shape.hidden), "weight"),
+        TensorPlan(name(t.FFN_UP), (shape.ffn, shape.hidden), "weight"),
+        TensorPlan(name(t.FFN_DOWN), (shape.hidden, shape.ffn), "weight"),
+    ]
+
+
 def _layer_plan(shape: ModelShape, bid: int, kv_width: int) -> list[TensorPlan]:
-    """The tensors of one transformer block (attention with optional q/k/v biases, SwiGLU FFN)."""
+    """The tensors of one block: a transformer's (attention with optional q/k/v biases, SwiGLU FFN), or a
+    recurrent or hybrid architecture's."""
+    if shape.arch == "mamba":
+        return _mamba_layer_plan(shape, bid)
+    if shape.arch == "lfm2":
+        return _lfm2_layer_plan(shape, bid, kv_width)
     names = gguf.TENSOR_NAMES
     t = gguf.MODEL_TENSOR
 
@@ -336,13 +414,27 @@ def add_arch_metadata(writer: gguf.GGUFWriter, shape: ModelShape, spec: QuantSpe
     writer.add_block_count(shape.layers)
     writer.add_context_length(shape.ctx_train)
     writer.add_embedding_length(shape.hidden)
-    writer.add_feed_forward_length(shape.ffn)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_rope_freq_base(shape.rope_freq_base)
-    writer.add_rope_dimension_count(shape.head_dim)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_vocab_size(shape.vocab)
+    if shape.arch == "mamba":  # no attention, no FFN: what convert_hf_to_gguf writes for Mamba
+        writer.add_feed_forward_length(0)
+        writer.add_head_count(0)
+        writer.add_ssm_conv_kernel(shape.conv_kernel)
+        writer.add_ssm_inner_size(2 * shape.hidden)
+        writer.add_ssm_state_size(shape.ssm_state)
+        writer.add_ssm_time_step_rank(shape.ssm_dt_rank)
+        writer.add_file_type(int(spec.file_type))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        return
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    if shape.arch == "lfm2":  # no K/V heads in a convolution layer: llama.cpp's mark of a recurrent one
+        writer.add_head_count_kv([shape.kv_heads if i in shape.attention_layers else 0 for i in range(shape.layers)])
+        writer.add_shortconv_l_cache(shape.conv_kernel)
+    else:
+        writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(shape.rope_freq_base)
+    writer.add_rope_dimension_count(shape.head_dim)
     if shape.moe:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
@@ -381,6 +473,8 @@ def tensor_data(plan: TensorPlan, spec: QuantSpec, pool: np.ndarray, rng: np.ran
         return pool[: n_blocks(plan, spec)].reshape(*plan.shape[:-1], -1)
     if plan.kind == "norm":
         return np.ones(plan.shape, dtype=np.float32)
+    if plan.kind == "decay":
+        return np.full(plan.shape, -1.0, dtype=np.float32)
     return rng.normal(0.0, 0.02, size=plan.shape).astype(np.float32)
 
 

@@ -71,6 +71,13 @@ class ModelShape:
     n_expert: int = 0  # a mixture of experts: experts per layer, `n_expert_used` of them run each token
     n_expert_used: int = 0
     tensors: tuple[tuple[str, int], ...] = field(default=(), repr=False)  # (name, bytes) of every tensor
+    attention_layers: int | None = None  # layers with K/V cells where not all have them: a hybrid's (LFM2:
+    # head_count_kv 0 in its convolution layers), 0 for a recurrent model (Mamba: no attention heads)
+
+    @property
+    def n_layer_kv(self) -> int:
+        """Layers that cache K and V for every token (a recurrent layer's state has one fixed size a slot)."""
+        return self.n_layer if self.attention_layers is None else self.attention_layers
 
     @property
     def expert_bytes(self) -> int:
@@ -80,7 +87,7 @@ class ModelShape:
     @property
     def kv_bytes_per_token_f16(self) -> int:
         """K and V for one token over all layers at f16 (the seed article's 192 KiB for its 27B)."""
-        return 2 * self.n_layer * self.n_head_kv * self.head_dim_k * 2
+        return 2 * self.n_layer_kv * self.n_head_kv * self.head_dim_k * 2
 
     @property
     def bytes_read_per_token(self) -> int:
@@ -102,9 +109,10 @@ class ModelShape:
         reader = GGUFReader(str(path))
         arch = _field(reader, "general.architecture")
         n_embd = int(_field(reader, f"{arch}.embedding_length"))
-        n_head = int(_field(reader, f"{arch}.attention.head_count"))
-        n_head_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-        head_dim = n_embd // n_head
+        n_head = _widest(_field(reader, f"{arch}.attention.head_count"))
+        kv_heads = _field(reader, f"{arch}.attention.head_count_kv", n_head)
+        n_head_kv = _widest(kv_heads)
+        head_dim = n_embd // n_head if n_head else 0
         tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         return cls(
@@ -115,7 +123,7 @@ class ModelShape:
             n_head_kv=n_head_kv,
             head_dim_k=int(_field(reader, f"{arch}.attention.key_length", head_dim)),
             head_dim_v=int(_field(reader, f"{arch}.attention.value_length", head_dim)),
-            n_ff=int(_field(reader, f"{arch}.feed_forward_length")),
+            n_ff=_widest(_field(reader, f"{arch}.feed_forward_length")),
             n_vocab=len(tokens.data) if tokens is not None else 0,
             n_ctx_train=int(_field(reader, f"{arch}.context_length", 0)),
             weight_bytes=sum(tensors.values()),
@@ -124,11 +132,26 @@ class ModelShape:
             n_expert=int(_field(reader, f"{arch}.expert_count", 0)),
             n_expert_used=int(_field(reader, f"{arch}.expert_used_count", 0)),
             tensors=tuple(tensors.items()),
+            attention_layers=_attention_layers(kv_heads, n_head),
         )
 
 
 _EXPERTS = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")  # llama.cpp's LLM_FFN_EXPS_REGEX
 _LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def _widest(value: Any) -> int:
+    """A count llama.cpp reads as one value or one per layer (get_key_or_arr): the largest layer's."""
+    return max((int(v) for v in value), default=0) if isinstance(value, list) else int(value)
+
+
+def _attention_layers(kv_heads: Any, n_head: int) -> int | None:
+    """Layers with K/V heads where not every layer has them: per-layer counts with zeros (a hybrid), or no
+    heads at all (a recurrent model); None where all do."""
+    if isinstance(kv_heads, list):
+        attending = sum(1 for heads in kv_heads if int(heads) > 0)
+        return attending if attending < len(kv_heads) else None
+    return 0 if n_head == 0 else None
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -161,7 +184,7 @@ class MemoryEstimate:
 
 def kv_cache_bytes(shape: ModelShape, config: EngineConfig) -> int:
     """K/V bytes for all cells llama.cpp allocates: exact, given its padding of cells to 256 per slot."""
-    per_cell = shape.n_layer * shape.n_head_kv * (
+    per_cell = shape.n_layer_kv * shape.n_head_kv * (
         shape.head_dim_k * CACHE_TYPE_BYTES[config.type_k] + shape.head_dim_v * CACHE_TYPE_BYTES[config.type_v]
     )
     return int(per_cell * config.n_ctx_cells)
