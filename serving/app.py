@@ -200,7 +200,9 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
         ray_actor_options=actor_options,
         user_config={"engine": engine_config.to_yaml_dict()},
         request_router_config={"request_router_class": ROUTER,
-                               "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S},
+                               "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+                               "request_router_kwargs": {"affinity": options.prefix_affinity,
+                                                         "max_imbalance": options.affinity_max_imbalance}},
     )
     on_head: dict[str, Any] = {"num_cpus": 0, "resources": {HEAD_NODE: 0.001}}  # the node a cluster never loses
     channel = ConfigChannel.options(ray_actor_options=on_head)  # type: ignore[attr-defined]

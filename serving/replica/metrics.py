@@ -24,6 +24,7 @@ from ray.serve import metrics as ray_metrics
 from serving.engine.request import FinishReason, Usage
 from serving.engine.stats import EngineStats
 from serving.engine.traffic import N_EDGES, TOKEN_EDGES, RequestShape
+from serving.replica.affinity import RoutedBy
 
 TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 E2E_BOUNDARIES_S = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
@@ -54,6 +55,10 @@ class ReplicaMetrics:
                                      (*labels, "reason"), registry=reg),
             "rejected": prom.Counter("llm_requests_rejected", "Requests turned away with 503 by cause.",
                                      (*labels, "cause"), registry=reg),
+            "routed": prom.Counter("llm_requests_routed", "Requests the router sent here, by why: affinity (this "
+                                   "replica held the longest prefix of the prompt), load (none held enough), "
+                                   "imbalance (its holder was too busy), overflow (picked for another replica).",
+                                   (*labels, "by"), registry=reg),
             "ttft": prom.Histogram("llm_time_to_first_token_seconds", "Time from arrival to first token.",
                                    labels, buckets=TTFT_BOUNDARIES_S, registry=reg),
             "e2e": prom.Histogram("llm_e2e_request_latency_seconds", "Time from arrival to the last token.",
@@ -103,6 +108,9 @@ class ReplicaMetrics:
             "rejected": ray_metrics.Counter("llm_requests_rejected",
                                             description="Requests turned away with 503 by cause.",
                                             tag_keys=("model", "cause")),  # type: ignore[arg-type]
+            "routed": ray_metrics.Counter("llm_requests_routed", description="Requests the router sent here, by "
+                                          "why (affinity, load, imbalance, overflow).",
+                                          tag_keys=("model", "by")),  # type: ignore[arg-type]
             "ttft": ray_metrics.Histogram("llm_time_to_first_token_seconds", description="Time from arrival to "
                                           "first token.", boundaries=TTFT_BOUNDARIES_S, tag_keys=tags),
             "e2e": ray_metrics.Histogram("llm_e2e_request_latency_seconds", description="Time from arrival to the "
@@ -184,6 +192,10 @@ class ReplicaMetrics:
     def record_rejected(self, cause: str) -> None:
         """A request turned away before it reached a slot (`queue_full`, `engine_stopped`, `loading`)."""
         self._inc("rejected", cause=cause)
+
+    def record_routed(self, by: RoutedBy) -> None:
+        """A relayed request arrived with the router's note of why it came here (serving/replica/routing.py)."""
+        self._inc("routed", by=by.value)
 
     def record_snapshot(self, stats: EngineStats) -> None:
         labels, tags = self._labels()

@@ -64,6 +64,13 @@ class ServerOptions(BaseModel):
                                   "this long is over: the replica goes back to its serving config")
     traffic_record: int = Field(4096, ge=1, description="finished client requests whose shapes (token counts, "
                                 "kind, arrival time; never text) each replica keeps for /traffic")
+    prefix_affinity: bool = Field(True, description="route a request to the replica that already holds the "
+                                  "longest start of its prompt (a conversation's earlier turns: in a slot or the "
+                                  "host-RAM prompt cache), within affinity_max_imbalance; false: by load alone. "
+                                  "Needs ingress=relay (Serve's proxy routes without the body)")
+    affinity_max_imbalance: int = Field(4, ge=0, description="prefix affinity gives way to load when the replica "
+                                        "holding the prompt has more than this many requests in flight beyond the "
+                                        "least loaded replica's")
     slot_save_path: Path | None = Field(None, description="directory of slot files (POST /slots/{id}?action="
                                         "save|restore|erase, llama-server's --slot-save-path), on each replica's "
                                         "node; none: those answer 400")
