@@ -20,6 +20,7 @@ import pytest
 from serving.engine.config import EngineConfig
 from serving.engine.memory import ModelShape, kv_cache_bytes
 from serving.engine.request import FinishReason, GenerationChunk, SamplingParams
+from serving.engine.scheduler import CHECKPOINT_TAIL
 from tests.helpers import WAIT_S, script_module
 
 if TYPE_CHECKING:
@@ -99,8 +100,10 @@ def test_the_memory_model_counts_k_and_v_only_in_the_layers_that_attend(models: 
 @pytest.mark.parametrize("arch", list(SYNTHETIC))
 def test_a_recurrent_slot_reuses_what_it_can_and_going_back_answers_as_cold(models: dict[str, Path],
                                                                            arch: str) -> None:
-    """One slot: a follow-up that extends all the slot holds reuses it; going back, and the same prompt again,
-    prefill from the start and answer as a cold engine does."""
+    """One slot: a follow-up that extends all the slot holds reuses it; going back behind every checkpoint
+    prefills from the start, the same prompt again goes back to the checkpoint 4 tokens before its end
+    (llama_state_seq_get/set_data_ext with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY), and each answers as a cold
+    engine does."""
     from serving.engine.core import Engine
 
     warm, cold = Engine(config(models[arch])), Engine(config(models[arch]))
@@ -110,12 +113,14 @@ def test_a_recurrent_slot_reuses_what_it_can_and_going_back_answers_as_cold(mode
         first = answer(warm, history)
         follow_up = history + first.tokens[:-1] + history[1:4]  # the last answer token was never decoded
         assert answer(warm, follow_up).cached == len(history) + len(first.tokens) - 1
-        for prompt in (history[:12] + history[20:24], history[:12] + history[20:24]):  # going back, then again
-            went_back = answer(warm, prompt)
-            assert went_back.cached == 0
-            assert_same(went_back, answer(cold, prompt))
+        going_back = history[:12] + history[20:24]
+        for cached in (0, len(going_back) - CHECKPOINT_TAIL):  # behind every checkpoint, then the same again
+            went_back = answer(warm, going_back)
+            assert went_back.cached == cached
+            assert_same(went_back, answer(cold, going_back))
             cold.erase_slot(0)
-        assert warm.stats()["counters"]["prefixes_refused"] == 0
+        counters = warm.stats()["counters"]
+        assert counters["checkpoints_restored"] == 1 and counters["prefixes_refused"] == 0
     finally:
         warm.close()
         cold.close()

@@ -3,8 +3,9 @@
 The fake keeps its own K/V record per sequence and checks every batch against it (positions contiguous,
 no sequence over its cells), so the scheduler's `slot.cache` is checked against what a context would hold.
 It keeps llama.cpp's rules for each memory kind too: a recurrent or hybrid state cannot be cut inside its
-tokens (`forget` returns False, nothing changed), and a sliding window drops the cells its last position no
-longer attends to (`pos_min`); a batch decoded onto cells that do not hold what it attends to fails the test.
+tokens (`forget` returns False, nothing changed) unless a checkpoint put it back first (a partial state: the
+recurrent part alone), and a sliding window drops the cells its last position no longer attends to
+(`pos_min`); a batch decoded onto cells that do not hold what it attends to fails the test.
 Its "model" is deterministic: the next token after t is (t + 1) % VOCAB, unless a test says otherwise.
 """
 
@@ -21,7 +22,9 @@ import pytest
 from serving.engine.output import OutputProcessor
 from serving.engine.prompt_cache import PromptCache, PromptPrices, StateBuffer
 from serving.engine.request import FinishReason, GenerationChunk, Request, RequestHandle, SamplingParams
-from serving.engine.scheduler import DECODE_FAILED, SAMPLER_FAILED, MemoryKind, RequestOutput, Scheduler
+from serving.engine.scheduler import (
+    CHECKPOINT_TAIL, CHECKPOINTS, DECODE_FAILED, SAMPLER_FAILED, MemoryKind, RequestOutput, Scheduler,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -64,6 +67,9 @@ class FakeContext:
     memory_kind: MemoryKind = MemoryKind.kv
     n_swa: int = 0
     held_from: dict[int, int] = field(default_factory=dict)  # seq -> first position a sliding window still holds
+    state_at: dict[int, int] = field(default_factory=dict)  # seq -> tokens its recurrent state holds, where a
+    # checkpoint put it behind the cells (until they are cut to it)
+    checkpoints: list[int] = field(default_factory=list)  # slots whose partial state was saved, in order
 
     @property
     def batch_size(self) -> int:
@@ -89,6 +95,7 @@ class FakeContext:
             assert pos < self.n_ctx_seq, f"seq {seq} overflows its {self.n_ctx_seq} cells"
             if self.n_swa:  # position pos attends to pos - n_swa + 1 on
                 assert max(pos - self.n_swa + 1, 0) >= self.held_from.get(seq, 0), f"seq {seq}: window lost"
+            assert seq not in self.state_at, f"seq {seq}: decoded onto a state behind its cells"
             cells.append(token)
         if self.n_swa:  # what llama.cpp may overwrite without swa_full: cells before the last one's window
             for seq, cells in self.kv.items():
@@ -109,9 +116,10 @@ class FakeContext:
 
     def forget(self, seq_id: int, from_pos: int = 0) -> bool:
         cells = self.kv.setdefault(seq_id, [])
-        if 0 < from_pos < len(cells) and not self.memory_kind.cuts:
+        if 0 < from_pos < self.state_at.get(seq_id, len(cells)) and not self.memory_kind.cuts:
             return False  # llama_memory_seq_rm of a recurrent state's partial range
         del cells[from_pos:]
+        self.state_at.pop(seq_id, None)
         if from_pos == 0 or from_pos <= self.held_from.get(seq_id, 0):
             cells.clear()
             self.held_from[seq_id] = 0
@@ -121,7 +129,9 @@ class FakeContext:
         cells = self.kv.get(seq_id, [])
         if not cells:
             return -1
-        return len(cells) - 1 if not self.memory_kind.cuts else self.held_from.get(seq_id, 0)
+        if self.memory_kind.cuts:
+            return self.held_from.get(seq_id, 0)
+        return min(self.state_at.get(seq_id, len(cells)), len(cells)) - 1
 
     def copy_seq(self, src: int, dst: int) -> None:
         self.kv[dst] = list(self.kv[src])
@@ -134,18 +144,23 @@ class FakeContext:
         """The model's second choice where its first is EOS: the token it says otherwise."""
         return (self.rows[row][0] + 1) % (VOCAB - 1)
 
-    def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview:
-        self.saves.append(seq_id)
+    def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer], partial: bool = False) -> memoryview:
+        (self.checkpoints if partial else self.saves).append(seq_id)
         data = json.dumps([self.held_from.get(seq_id, 0), self.kv.get(seq_id, [])]).encode()
         buffer = buffer_for(len(data))
         buffer[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         return memoryview(buffer)[:len(data)]
 
-    def load_seq(self, seq_id: int, state: memoryview) -> bool:
+    def load_seq(self, seq_id: int, state: memoryview, partial: bool = False) -> bool:
         if self.refuse_loads:
             return False
+        held_from, tokens = json.loads(bytes(state))
+        if partial:  # the recurrent part goes back; the cells are cut to it next
+            assert self.kv[seq_id][:len(tokens)] == tokens, "a checkpoint of other tokens"
+            self.state_at[seq_id] = len(tokens)
+            return True
         assert not self.kv.get(seq_id), "a state is restored into an emptied slot"
-        self.held_from[seq_id], self.kv[seq_id] = json.loads(bytes(state))
+        self.held_from[seq_id], self.kv[seq_id] = held_from, tokens
         return True
 
 
@@ -899,7 +914,7 @@ CANNOT_CUT = [MemoryKind.recurrent, MemoryKind.hybrid]
 
 def _kind(kind: MemoryKind, n_parallel: int = 1, n_swa: int = 0,
           prompt_cache: PromptCache | None = None) -> tuple[Scheduler, FakeContext]:
-    ctx = FakeContext(memory_kind=kind, n_swa=n_swa)
+    ctx = FakeContext(memory_kind=kind, n_swa=n_swa, n_ctx_seq=128)
     return Scheduler(ctx, n_parallel, default_seed=1, prompt_cache=prompt_cache), ctx
 
 
@@ -921,11 +936,12 @@ def _cold(kind: MemoryKind, prompt: list[int], n_swa: int = 0) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", CANNOT_CUT)
-def test_a_recurrent_state_is_reused_only_where_the_prompt_extends_all_of_it(kind: MemoryKind) -> None:
+def test_a_recurrent_state_is_reused_where_the_prompt_extends_it_or_a_checkpoint(kind: MemoryKind) -> None:
     """A follow-up that continues the slot's every token reuses them all; going back (a prompt sharing less
-    than the slot holds: a regenerated answer, an edited turn) and the same prompt again prefill from the
-    start, since llama.cpp cannot cut the state; the fake fails any batch decoded onto a state that is not
-    exactly the prompt's prefix, and no cut is ever asked of it."""
+    than the slot holds) behind every checkpoint prefills from the start, since llama.cpp cannot cut the
+    state; the same prompt again goes back to the checkpoint CHECKPOINT_TAIL tokens before its end. The fake
+    fails any batch decoded onto a state that is not exactly the prompt's prefix, and no cut it cannot make
+    is asked of it."""
     s, ctx = _kind(kind)
     history = list(range(1, 21))
     _one(s, ctx, history)
@@ -937,9 +953,12 @@ def test_a_recurrent_state_is_reused_only_where_the_prompt_extends_all_of_it(kin
     s.add([r])
     out = run(s, ctx)
     assert ends(out)[r.id].usage.cached_tokens == 0 and tokens_of(out, r) == _cold(kind, back)
-    again = list(s.slots[0].cache)[:len(back)]
-    assert _one(s, ctx, again).usage.cached_tokens == 0  # its last token needs decoding: not cuttable either
-    assert s.counters.prefixes_refused == 0
+    r = req(back, SamplingParams(max_tokens=3, temperature=0.0))
+    s.add([r])
+    out = run(s, ctx)
+    assert ends(out)[r.id].usage.cached_tokens == len(back) - CHECKPOINT_TAIL
+    assert tokens_of(out, r) == _cold(kind, back)
+    assert s.counters.checkpoints_restored == 1 and s.counters.prefixes_refused == 0
 
 
 @pytest.mark.parametrize("kind", CANNOT_CUT)
@@ -1036,3 +1055,39 @@ def test_choices_of_a_recurrent_model_copy_the_whole_state(kind: MemoryKind) -> 
     out = run(s, ctx)
     assert all(ends(out)[r.id].finish == FinishReason.length for r in rs)
     assert len({tuple(tokens_of(out, r)) for r in rs}) == 1
+
+
+@pytest.mark.parametrize("kind", CANNOT_CUT)
+def test_a_checkpoint_before_each_prompts_end_serves_a_regenerated_answer_and_a_changed_history(
+        kind: MemoryKind) -> None:
+    """The prompt's last CHECKPOINT_TAIL tokens go in a step of their own, after the recurrent part is saved:
+    a regenerated answer (the same prompt) and a next turn whose history dropped part of the answer (a chat
+    template leaving out the reasoning) go back to it, with the tokens a cold slot gives; a follow-up that
+    adds fewer tokens than the tail takes none. A slot keeps its CHECKPOINTS newest, and forgets those past
+    where it was cut."""
+    s, ctx = _kind(kind)
+    history = list(range(1, 21))
+    _one(s, ctx, history)
+    assert ctx.checkpoints == [0] and [c.n_tokens for c in s.slots[0].checkpoints] == [16]
+    for prompt in (history, history + [70, 71, 72]):
+        r = req(prompt, SamplingParams(max_tokens=3, temperature=0.0))
+        s.add([r])
+        out = run(s, ctx)
+        assert ends(out)[r.id].usage.cached_tokens == 16 and tokens_of(out, r) == _cold(kind, prompt)
+    assert s.counters.checkpoints_restored == 2
+    assert [c.n_tokens for c in s.slots[0].checkpoints] == [16, 19]  # the regenerated prompt added no tail
+    held = list(s.slots[0].cache)
+    _one(s, ctx, held + [80, 81])  # two new tokens: under the tail, no checkpoint
+    assert len(ctx.checkpoints) == 2
+    for turn in range(CHECKPOINTS + 1):
+        _one(s, ctx, list(s.slots[0].cache) + list(range(30 + turn, 30 + turn + 6)))
+    marks = [c.n_tokens for c in s.slots[0].checkpoints]
+    assert len(marks) == CHECKPOINTS and marks == sorted(marks)
+    _one(s, ctx, list(s.slots[0].cache)[:marks[1]] + [90])
+    assert [c.n_tokens for c in s.slots[0].checkpoints] == marks[:2]
+
+
+def test_memories_that_can_be_cut_take_no_checkpoints() -> None:
+    s, ctx = _kind(MemoryKind.kv)
+    _one(s, ctx, list(range(1, 21)))
+    assert ctx.checkpoints == [] and s.slots[0].checkpoints == []

@@ -572,6 +572,11 @@ class SamplerChain:
             self._grammar = None
 
 
+def _state_flags(partial: bool) -> int:
+    """llama_state_seq_flags: the partial state (recurrent and sliding-window parts) or all of a sequence."""
+    return ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else ll.LLAMA_STATE_SEQ_FLAGS_NONE
+
+
 def masked_logits(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     """`logits` with every token not `allowed` at -inf."""
     return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
@@ -710,23 +715,27 @@ class LlamaContext:
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
 
-    def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview:
-        """A slot's K/V cells as llama.cpp's per-sequence state (`llama_state_seq_get_data`), written straight
+    def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer], partial: bool = False) -> memoryview:
+        """A slot's K/V cells as llama.cpp's per-sequence state (`llama_state_seq_get_data_ext`), written straight
         into a buffer of at least its size from `buffer_for(size)` (serving/engine/prompt_cache.py recycles them):
-        restorable into any slot of this context."""
-        size = int(ll.llama_state_seq_get_size(self.ptr, seq_id))
+        restorable into any slot of this context. `partial`: only what cannot be cut back, a recurrent state
+        (a hybrid's attention cells left out; llama.h's LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY), for a checkpoint."""
+        flags = _state_flags(partial)
+        size = int(ll.llama_state_seq_get_size_ext(self.ptr, seq_id, flags))
         buffer = buffer_for(size)
         view = buffer.data  # a memoryview of the array: writable, its `.obj` the array
-        written = int(ll.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(view), size, seq_id))
+        written = int(ll.llama_state_seq_get_data_ext(self.ptr, (ctypes.c_uint8 * size).from_buffer(view), size,
+                                                      seq_id, flags))
         if written != size:
             raise EngineError(f"llama.cpp wrote {written} of the {size} bytes of slot {seq_id}'s state")
         return view[:size]
 
-    def load_seq(self, seq_id: int, state: memoryview) -> bool:
+    def load_seq(self, seq_id: int, state: memoryview, partial: bool = False) -> bool:
         """Restore a state `save_seq` made into (empty) slot `seq_id`, read in place; False when llama.cpp
-        refuses it (it then leaves the slot empty)."""
+        refuses it (it then leaves the slot empty). `partial`: a checkpoint's recurrent state, replacing the
+        slot's own and leaving its attention cells as they are (llama_memory_hybrid::state_read)."""
         buf = (ctypes.c_uint8 * len(state)).from_buffer(state)
-        return int(ll.llama_state_seq_set_data(self.ptr, buf, len(state), seq_id)) > 0
+        return int(ll.llama_state_seq_set_data_ext(self.ptr, buf, len(state), seq_id, _state_flags(partial))) > 0
 
     def save_seq_file(self, seq_id: int, path: Path, tokens: Sequence[int]) -> int:
         """A slot's state and its tokens to a file (`llama_state_seq_save_file`, llama-server's slot save

@@ -20,9 +20,11 @@ fake context in milliseconds (tests/test_scheduler.py). The engine's step thread
 Not every model's memory can go back. A slot reuses a cached prefix only where llama.cpp keeps it (MemoryKind):
 any prefix of attention K/V cells; of a sliding window's cells, a prefix whose window is still held
 (`llama_memory_seq_pos_min`); of a recurrent or hybrid model's state, all of it or nothing, since the state
-holds no earlier position (`llama_memory_seq_rm` of a partial range returns false). Where llama.cpp refuses
-anyway, the slot is emptied and the prompt prefilled from its start: never decoded onto cells that do not
-hold the prefix it was counted for (docs/design.md, "Memory kinds").
+holds no earlier position (`llama_memory_seq_rm` of a partial range returns false), except through a
+checkpoint: its recurrent part saved CHECKPOINT_TAIL tokens before the end of each prompt, as llama-server's
+context checkpoints, so a next turn or a regenerated answer that shares the prompt goes back to it. Where
+llama.cpp refuses anyway, the slot is emptied and the prompt prefilled from its start: never decoded onto
+cells that do not hold the prefix it was counted for (docs/design.md, "Memory kinds").
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
+
+import numpy as np
 
 from serving.engine.prompt_cache import CachedPrompt, PromptCache, StateBuffer, common_prefix
 from serving.engine.request import FinishReason, Request, SamplingParams, TokenLogprob, Usage
@@ -55,6 +59,12 @@ SLOT_PROMPT_SIMILARITY = 0.1
 DECODE_FAILED = "the model failed to evaluate this request's batch (llama_decode error {rc}); retry it"
 SAMPLER_FAILED = "sampling the next token failed for this request"
 TOO_MANY_CHOICES = "{n} choices need {n} slots at once, but this server has {slots}: ask for fewer"
+# A recurrent or hybrid slot's prompt ends in a step of its own for its last CHECKPOINT_TAIL tokens, and its
+# recurrent part is saved before them (llama-server takes one 4 tokens before a prompt's end): a regenerated
+# answer sends the same prompt again, which must decode its last token, and a chat template may render the
+# turn's opening differently once the answer follows it. CHECKPOINTS of them are kept a slot, newest last.
+CHECKPOINT_TAIL = 4
+CHECKPOINTS = 4
 NO_LONGER_FITS = ("the prompt ({n} tokens) no longer fits a slot ({slot} tokens) after a configuration change: "
                   "shorten it or ask the operator for a larger context")
 
@@ -94,9 +104,10 @@ class ModelContext(DraftContext, Protocol):
 
     def logprobs(self, row: int, token: int, top_n: int) -> TokenLogprob: ...
 
-    def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer]) -> memoryview: ...
+    def save_seq(self, seq_id: int, buffer_for: Callable[[int], StateBuffer], partial: bool = False
+                 ) -> memoryview: ...
 
-    def load_seq(self, seq_id: int, state: memoryview) -> bool: ...
+    def load_seq(self, seq_id: int, state: memoryview, partial: bool = False) -> bool: ...
 
 
 class MemoryKind(str, Enum):
@@ -138,6 +149,15 @@ class RequestOutput:
     logprob: TokenLogprob | None = None
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A slot's recurrent state after its first `n_tokens` tokens (llama.cpp's partial sequence state: a
+    hybrid's attention cells are not in it, they are cut back instead)."""
+
+    n_tokens: int
+    state: memoryview
+
+
 @dataclass
 class Slot:
     """One sequence of the context. `cache` is exactly the tokens held in its K/V cells, in order."""
@@ -159,6 +179,7 @@ class Slot:
     acceptance: Acceptance = field(default_factory=Acceptance)  # how its guesses fared (sets the draft length)
     draft: list[int] = field(default_factory=list)  # guesses in the batch being decoded, after next_token
     unsaved: bool = False  # finished since the prompt cache last looked at its cells (save_idle)
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # of the tokens in `cache`, oldest first
 
     @property
     def state(self) -> SlotState:
@@ -184,6 +205,7 @@ class Counters:
     spec_accepted: int = 0  # of those, kept
     grammar_resamples: int = 0  # tokens a grammar rejected (then sampled again with the grammar first)
     prefixes_refused: int = 0  # cached prefixes llama.cpp could not keep after all: prefilled from the start
+    checkpoints_restored: int = 0  # recurrent states put back to a checkpoint (a prompt going back)
 
 
 @dataclass(frozen=True)
@@ -261,10 +283,11 @@ class Scheduler:
             slot.logits_row = last - len(slot.draft)
         generating_rows = ctx.batch_size
         t0 = self._clock()  # the step's cost, without the guessing (a draft model prices its own)
-        self._add_prompt_chunks(warm_drafts=speculate)
+        due = self._add_prompt_chunks(warm_drafts=speculate)
         if ctx.batch_size == 0:
             return outputs, False
         if self._decode(outputs):
+            self._checkpoint(due)
             self._share_prompts()
             self._sample(outputs)
             seconds = self._clock() - t0
@@ -295,15 +318,22 @@ class Scheduler:
         guess = drafter.guess_seconds
         return self._spec is None or guess is None or could_pay(self._costs, self._spec.draft_max, 1, guess)
 
-    def _add_prompt_chunks(self, warm_drafts: bool) -> None:
+    def _add_prompt_chunks(self, warm_drafts: bool) -> list[Slot]:
+        """Prompt chunks into what is left of the batch, oldest request first; the slots to checkpoint once
+        it is decoded (their chunk stops CHECKPOINT_TAIL tokens before their prompt's end)."""
         ctx = self._ctx
         prefilling = sorted((s for s in self.slots if s.pending and s.request is not None),
                             key=lambda s: s.request.arrival if s.request is not None else 0.0)
+        due: list[Slot] = []
         for slot in prefilling:
             room = ctx.batch_capacity - ctx.batch_size
             if room == 0:
-                return
+                break
             chunk = slot.pending[:room]
+            before_tail = len(slot.pending) - CHECKPOINT_TAIL
+            if not ctx.memory_kind.cuts and 0 < before_tail <= len(chunk):
+                chunk = chunk[:before_tail]
+                due.append(slot)
             last = len(chunk) == len(slot.pending)
             row = ctx.add_to_batch(chunk, len(slot.cache), slot.seq_id, last)
             self._in_batch.add(slot.seq_id)
@@ -316,6 +346,18 @@ class Scheduler:
                 elif warm_drafts:  # a draft model takes the prompt in now, not at the first guess (none while
                     slot.drafter.warm(slot.cache)  # too many slots are busy)
             self.counters.prompt_tokens_evaluated += len(chunk)
+        return due
+
+    def _checkpoint(self, slots: list[Slot]) -> None:
+        """Save each slot's recurrent state as it stands after the decode (CHECKPOINTS a slot, the oldest
+        dropped). Like a prompt-cache save it may fail nothing: the slot only loses a way back."""
+        for slot in slots:
+            try:
+                state = self._ctx.save_seq(slot.seq_id, _new_buffer, partial=True)
+            except Exception:
+                log.exception("checkpointing slot %d at %d tokens failed", slot.seq_id, len(slot.cache))
+                continue
+            slot.checkpoints = [*slot.checkpoints, Checkpoint(len(slot.cache), state)][-CHECKPOINTS:]
 
     def _decode(self, outputs: list[RequestOutput]) -> bool:
         """Decode the batch. On failure only the requests with rows in this batch fail.
@@ -342,8 +384,7 @@ class Scheduler:
             if slot.seq_id in self._in_batch:
                 if slot.request is not None:
                     outputs += self._end_with_clones(slot, FinishReason.error, message)
-                self._ctx.forget(slot.seq_id)
-                slot.cache.clear()
+                self._empty(slot)
                 slot.draft = []
         return False
 
@@ -499,18 +540,21 @@ class Scheduler:
         runs = {s.seq_id: _runs(busy | {s.seq_id}) if split else 1 for s in free}
         fewest = min(runs.values())
         least = SLOT_PROMPT_SIMILARITY * len(prompt)
-        scored = [(shared if shared > least else 0, s) for s in free for shared in [self._reusable(s.cache, prompt)]]
+        scored = [(shared if shared > least else 0, s) for s in free for shared in [self._reusable(s, prompt)]]
         allowed = [(shared, s) for shared, s in scored if runs[s.seq_id] == fewest or shared >= SPLIT_WORTH]
         shared, best = max(allowed, key=lambda p: (p[0], -runs[p[1].seq_id], -p[1].last_used))
         if shared == 0:
             best = min((s for _, s in allowed if runs[s.seq_id] == fewest), key=lambda s: s.last_used)
         return best, shared
 
-    def _reusable(self, cache: list[int], prompt: list[int]) -> int:
-        """The prompt tokens a slot holding `cache` can keep: the shared prefix, less the prompt's last token
-        (decoded again for its logits); where the memory cannot be cut, all of `cache` or none."""
-        shared = min(common_prefix(cache, prompt), max(len(prompt) - 1, 0))
-        return shared if self._ctx.memory_kind.cuts or shared == len(cache) else 0
+    def _reusable(self, slot: Slot, prompt: list[int]) -> int:
+        """The prompt tokens `slot` can keep: the shared prefix, less the prompt's last token (decoded again
+        for its logits); where the memory cannot be cut, all the slot holds, or its latest checkpoint within
+        the shared prefix, or none."""
+        shared = min(common_prefix(slot.cache, prompt), max(len(prompt) - 1, 0))
+        if self._ctx.memory_kind.cuts or shared == len(slot.cache):
+            return shared
+        return max((c.n_tokens for c in slot.checkpoints if c.n_tokens <= shared), default=0)
 
     def _saved_state(self, prompt: list[int], shared: int) -> tuple[CachedPrompt, int] | None:
         """The prompt cache's state for `prompt` when it shares at least min_tokens more than the best slot's
@@ -529,12 +573,11 @@ class Scheduler:
         cache = self.prompt_cache
         assert cache is not None
         self._save(slot)
-        self._ctx.forget(slot.seq_id)
-        slot.cache.clear()
+        self._empty(slot)
         if not self._ctx.load_seq(slot.seq_id, entry.state):
             log.warning("a saved prompt state (%d tokens) could not be restored into slot %d: dropped",
                         len(entry.tokens), slot.seq_id)
-            self._ctx.forget(slot.seq_id)
+            self._empty(slot)
             cache.discard(entry)
             return 0
         slot.cache = list(entry.tokens)
@@ -610,20 +653,36 @@ class Scheduler:
         """Drop the slot's cells from position `keep` on; the tokens it still holds: `keep`, or 0 where llama.cpp
         refused the cut or the cells left no longer hold what decoding position `keep` attends to (the slot
         is then emptied, and the prompt prefilled from its start, as llama-server does)."""
-        ctx = self._ctx
-        if keep == 0 or not ctx.forget(slot.seq_id, keep):
-            ctx.forget(slot.seq_id)
-        else:
+        ctx, wanted = self._ctx, keep
+        if 0 < keep < len(slot.cache) and not ctx.memory_kind.cuts:
+            keep = self._back_to_checkpoint(slot, keep)
+        if keep > 0 and ctx.forget(slot.seq_id, keep):
             del slot.cache[keep:]
+            slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= keep]
             if self._holds_window(slot.seq_id, keep):
                 return keep
-            ctx.forget(slot.seq_id)
-        if keep > 0:
+        if wanted > 0:
             self.counters.prefixes_refused += 1
             log.info("slot %d: llama.cpp could not keep %d cached tokens (%s memory); prefilling from the start",
-                     slot.seq_id, keep, ctx.memory_kind.value)
-        slot.cache.clear()
+                     slot.seq_id, wanted, ctx.memory_kind.value)
+        self._empty(slot)
         return 0
+
+    def _back_to_checkpoint(self, slot: Slot, keep: int) -> int:
+        """Put the slot's recurrent part back to its latest checkpoint within `keep` tokens (its attention
+        cells, a hybrid's, are cut to it next); the tokens it covers, 0 when there is none or llama.cpp
+        refused it."""
+        usable = [c for c in slot.checkpoints if c.n_tokens <= keep]
+        if not usable or not self._ctx.load_seq(slot.seq_id, usable[-1].state, partial=True):
+            return 0
+        self.counters.checkpoints_restored += 1
+        return usable[-1].n_tokens
+
+    def _empty(self, slot: Slot) -> None:
+        """Drop every cell of the slot (never refused), and what was known of them."""
+        self._ctx.forget(slot.seq_id)
+        slot.cache.clear()
+        slot.checkpoints = []
 
     def _holds_window(self, seq_id: int, keep: int) -> bool:
         """Whether a sequence cut to `keep` tokens still holds what its next position attends to. llama.h
@@ -719,8 +778,7 @@ class Scheduler:
 
     def reset_slot(self, seq_id: int) -> None:
         """Empty an idle slot's cache (the engine borrows slot cells for scoring, and restores slot files)."""
-        self._ctx.forget(seq_id)
-        self.slots[seq_id].cache.clear()
+        self._empty(self.slots[seq_id])
         self.slots[seq_id].unsaved = False
 
     def slot_tokens(self, seq_id: int) -> list[int]:
@@ -742,8 +800,7 @@ class Scheduler:
         """
         outputs = [self._end(s, FinishReason.error, message) for s in self.slots if s.request is not None]
         for slot in self.slots:
-            self._ctx.forget(slot.seq_id)
-            slot.cache.clear()
+            self._empty(slot)
             slot.unsaved = False
         if waiting_too:
             while self.waiting:
@@ -765,6 +822,11 @@ class Scheduler:
                 request_id=request.id if request is not None else None,
                 n_prompt=usage.prompt_tokens if busy else 0, n_generated=usage.completion_tokens if busy else 0))
         return views
+
+
+def _new_buffer(size: int) -> StateBuffer:
+    """A checkpoint's own buffer (a recurrent part is small beside a slot's attention cells)."""
+    return np.empty(size, dtype=np.uint8)
 
 
 def _runs(seq_ids: set[int]) -> int:
