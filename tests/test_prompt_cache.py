@@ -180,3 +180,7 @@ def test_where_the_memory_cannot_be_cut_only_a_state_the_prompt_extends_serves()
     assert entry is not None and entry.tokens == tuple(range(1, 17)) and shared == 16
     assert not cache.worth_saving(long_one[:25]) and cache.worth_saving(long_one[:25], cuts=False)
     assert not cache.worth_saving(long_one, cuts=False)  # the same tokens are stored
+    assert cache.put(long_one + [41, 42], state(b"x" * 10), cuts=False)  # a longer state keeps its prefixes
+    assert cache.stats().entries == 4
+    assert cache.put(long_one + [41, 42], state(b"y" * 10), cuts=False) and cache.stats().entries == 4
+    assert cache.put(long_one + [41, 42, 43], state(b"z" * 10)) and cache.stats().entries == 2

@@ -636,6 +636,9 @@ class LlamaContext:
         params.type_v = _GGML_TYPES[config.type_v]
         params.flash_attn_type = _FLASH_ATTN[config.flash_attn]
         params.kv_unified = config.kv_unified  # off: one K/V stream per slot, each attending over its own cells
+        # every sliding-window cell kept (llama.cpp's default, set here because the scheduler relies on it): a
+        # slot then goes back anywhere, and the memory model counts those layers' cells in full
+        params.swa_full = True
         params.offload_kqv = config.kv_offload
         params.no_perf = True
         self.model = model

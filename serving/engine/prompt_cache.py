@@ -170,16 +170,17 @@ class PromptCache:
             return self._spares.pop(min(fits, key=lambda i: len(self._spares[i])))
         return np.empty(int(size * HEADROOM), dtype=np.uint8)
 
-    def put(self, tokens: Sequence[int], state: memoryview) -> bool:
-        """Store a slot's state; stored prefixes of it go (it covers them; their buffers are kept for the
-        next save), then spare buffers and the least recently used states until it fits. False when the
-        state alone is over the limit."""
+    def put(self, tokens: Sequence[int], state: memoryview, cuts: bool = True) -> bool:
+        """Store a slot's state; stored prefixes of it go (it covers them, where the memory `cuts`; their
+        buffers are kept for the next save), then spare buffers and the least recently used states until it
+        fits. False when the state alone is over the limit."""
         entry = CachedPrompt(tuple(tokens), state)
         if entry.nbytes > self.limit_bytes or not entry.tokens:
             return False
         nodes = self._path(entry.tokens)
         for key in self._prefixes(entry.tokens, nodes):
-            self._keep_spare(self._drop(key))
+            if cuts or key == entry.tokens:
+                self._keep_spare(self._drop(key))
         while self._bytes + self._spare_bytes + entry.nbytes > self.limit_bytes:
             if self._spares:
                 self._spares.pop(0)

@@ -619,7 +619,7 @@ class Scheduler:
                 t0 = self._clock()
                 state = self._ctx.save_seq(slot.seq_id, cache.spare)
                 cache.prices.saved(len(slot.cache), self._clock() - t0)
-                cache.put(slot.cache, state)
+                cache.put(slot.cache, state, cuts=self._ctx.memory_kind.cuts)
         except Exception:
             log.exception("saving slot %d's state (%d tokens) failed", slot.seq_id, len(slot.cache))
 
