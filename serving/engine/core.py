@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from serving.engine.prompt_cache import PromptCache  # noqa: E402
 from serving.engine.repack import use_extra_bufts  # noqa: E402
 from serving.engine.request import Constraint, Request, RequestHandle, SamplingParams  # noqa: E402
 from serving.engine.scheduler import RequestOutput, Scheduler  # noqa: E402
+from serving.engine.stats import EngineStats  # noqa: E402
 from serving.engine.traffic import (DEFAULT_LIMIT, RequestShape, ShapeInProgress, TrafficRecord,  # noqa: E402
                              TrafficSummary, TrafficTag)
 
@@ -76,24 +77,6 @@ class SlotFile:
     n_tokens: int
     n_bytes: int
     ms: float
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for /slots, the metrics and the tests; cheap, never blocks the step thread."""
-
-    config: dict[str, Any]
-    n_ctx_slot: int
-    weight_loads: int
-    slots: list[dict[str, Any]]
-    slots_busy: int
-    queue_depth: int
-    counters: dict[str, int]
-    spec_acceptance: float | None = None  # accepted / drafted guesses since start; None before any guess
-    prompt_cache: dict[str, int] | None = None  # the host-RAM prompt cache's counts; None when off
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class Engine:
@@ -235,16 +218,15 @@ class Engine:
 
     def snapshot(self) -> EngineStats:
         views = self._scheduler.slot_views()
-        slots = [{**asdict(v), "state": v.state.value} for v in views]
-        counters = asdict(self._scheduler.counters)
-        drafted = counters["spec_drafted"]
+        counters = replace(self._scheduler.counters)
+        drafted = counters.spec_drafted
         cache = self._scheduler.prompt_cache
         return EngineStats(
-            config=self.config.to_yaml_dict(), n_ctx_slot=self._n_ctx_slot, weight_loads=self.weight_loads,
-            slots=slots, slots_busy=sum(1 for v in views if v.request_id is not None),
+            config=self.config, n_ctx_slot=self._n_ctx_slot, weight_loads=self.weight_loads,
+            slots=views, slots_busy=sum(1 for v in views if v.request_id is not None),
             queue_depth=self.queue_depth, counters=counters,
-            spec_acceptance=counters["spec_accepted"] / drafted if drafted else None,
-            prompt_cache=asdict(cache.stats()) if cache is not None else None)
+            spec_acceptance=counters.spec_accepted / drafted if drafted else None,
+            prompt_cache=cache.stats() if cache is not None else None)
 
     def traffic_summary(self, replica: str = "") -> TrafficSummary:
         """The client traffic this engine has served, as a value (any thread)."""
