@@ -15,7 +15,13 @@ Reported per mode: median decode
 tok/s of a single stream (after its first token) constrained and unconstrained, ms per token, the median of the
 per-round ratios (the twin runs right after its constrained run), and how often the grammar rejected the
 model's own choice (then a guide samples from its mask; GBNF checks the best candidates one by one,
-serving/engine/llama.py). Greedy; each round alternates the order.
+serving/engine/llama.py). Greedy unless `--temperature`; each round rotates the order (measure/design.py
+`rotated`), and each ratio comes with the 95% interval of its median (`median_interval`). Every run is streamed
+from the engine, a chunk a token read as it comes, as the routes read it.
+
+The nested modes (`--modes json_schema_nested,tool_call_nested`) are one schema, an object with an array of
+objects holding an array of objects (measure/constrained.py ORDER), as a forced call's arguments (the twin: the
+same prompt with the tool offered and nothing forced) and as a json_schema answer to the same question.
 
 With `--llama-server BINARY`, llama-server (same model, one slot) gets the same requests through its own API
 (`response_format` json_object and json_schema; the forced tool call as the same rendered prompt and the same

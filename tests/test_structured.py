@@ -236,25 +236,36 @@ def test_guide_costs_replays_each_modes_answer_through_its_guide(costs: ModuleTy
         model.free()
 
 
+class Unmaskable:
+    """A guide whose mask fails (as llguidance's does on a buffer of the wrong size)."""
+
+    def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+        raise ValueError(f"no mask into {size} bytes")
+
+
 @pytest.mark.engine
 def test_a_guide_masks_ahead_what_llguidance_masks_inline(costs: ModuleType) -> None:
-    """The mask a guide computes on its worker thread (serving/engine/guided.py) is, at every token of an answer, the
-    one llguidance computes inline; its bit refuses what the mask refuses; the best allowed token wins over a
-    better refused one; a worker's error fails the job that asked, and the next job still runs."""
+    """The mask a guide computes when its context's decode is launched (serving/engine/guided.py) is, at every
+    token of an answer, the one llguidance computes inline, whether the due masks were computed or it was asked
+    first; its bit refuses what the mask refuses; the best allowed token wins over a better refused one; a mask
+    that fails fails the guide that reads it, and the other due masks are still computed."""
     import numpy as np
 
     from serving.engine.config import EngineConfig
-    from serving.engine.guided import Guided, MaskWorker
+    from serving.engine.guided import DueMasks, Guided
     from serving.engine.llama import LlamaModel
 
     model = LlamaModel(EngineConfig().model_path, n_gpu_layers=0)
-    worker = MaskWorker()
+    due = DueMasks()
     try:
         grammar = costs.modes()["json_schema"].guide.text
-        guided = Guided(model.guides.matcher(grammar), model.n_vocab, worker)
+        guided = Guided(model.guides.matcher(grammar), model.n_vocab, due)
         inline = model.guides.matcher(grammar)
         mask = np.zeros((model.n_vocab + 31) // 32, dtype=np.uint32)
-        for token in model.tokenize(costs.ANSWERS["json_schema"], add_special=False, parse_special=True):
+        tokens = model.tokenize(costs.ANSWERS["json_schema"], add_special=False, parse_special=True)
+        for i, token in enumerate(tokens):
+            if i % 2:  # every other token as a decode would: the due masks computed before any is read
+                due.compute()
             inline.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
             expected = np.unpackbits(mask.view(np.uint8), bitorder="little")[:model.n_vocab].astype(bool)
             assert np.array_equal(guided.allowed(), expected)
@@ -265,13 +276,14 @@ def test_a_guide_masks_ahead_what_llguidance_masks_inline(costs: ModuleType) -> 
             assert guided.best(logits) == token
             guided.advance(token)
             assert inline.consume_token(token)
-        fresh = Guided(model.guides.matcher(grammar), model.n_vocab, worker)
+        fresh = Guided(model.guides.matcher(grammar), model.n_vocab, due)
         with pytest.raises(RuntimeError, match="refused token"):
             fresh.advance(int(np.flatnonzero(~fresh.allowed())[0]))
-        failing = worker.submit(inline, np.zeros(3, dtype=np.uint32))  # a buffer of the wrong size
+        failing = Guided(Unmaskable(), model.n_vocab, due)  # type: ignore[arg-type]
+        other = Guided(model.guides.matcher(grammar), model.n_vocab, due)
+        due.compute()
         with pytest.raises(RuntimeError, match="mask failed"):
-            failing.wait()
-        worker.submit(inline, mask).wait()
+            failing.allows(0)
+        assert other.allowed().any()
     finally:
-        worker.close()
         model.free()

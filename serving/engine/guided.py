@@ -1,101 +1,73 @@
-"""Sampling under an llguidance guide with its token mask computed ahead, while the model decodes.
+"""Sampling under an llguidance guide, its token mask computed once a token, right after the decode is launched.
 
 The mask a guide allows for the next token depends only on the tokens it has consumed, so it can be computed
-as soon as the last one is chosen: a worker thread computes it while the step thread runs the next decode
-(llguidance releases the GIL while it computes, llama_decode holds none). When the logits arrive the mask is
-there, and the step thread pays a bit lookup and an advance; a refused token costs a pick from the mask, not a
-mask. vLLM v1 overlaps its grammar bitmasks with the forward pass for the same reason.
+before the logits it filters exist. The context computes every due mask on the step thread as soon as
+`llama_decode` returns and before any logits are read (serving/engine/llama.py, LlamaContext.decode): on a GPU
+that call only launches the work (the logits read waits for it), so the masks are computed while the model
+decodes; on a CPU the call returns when the decode is done, and the masks follow it. The step thread then pays a
+bit lookup and an advance; a refused token costs a pick from the mask, not a mask. vLLM v1 overlaps its grammar
+bitmasks with the forward pass for the same reason.
 
-Why: inline, a guided greedy token cost a check (15-21 us) and an advance (7-11 us) in the engine on the
-development CPU, and a refused one 200-400 us (a mask, then the best candidates one by one), against a token of
-~1.15 ms for the embedded model on the H100. There, with the mask computed ahead, sampling under a guide cost
-4-24 us a token more than plain greedy (docs/log/2026-12-05-h100-second-run.md).
+Why not a worker thread (the design before, `MaskWorker`): each token then cost two handoffs between threads
+(wake the worker, wait for its mask) and the GIL twice. On the shared 2-core CPU (load 8-30) the step thread
+spent 1.0-1.9 ms a token in the handoff alone, waiting for a worker that had been descheduled, against 0.2 ms
+for the mask itself, and the worker's mask ran on a core the decode's threads were using
+(docs/log/2026-12-07-cpu-forced-call-nested.md). A guided token earlier cost a check (15-21 us) and an advance
+(7-11 us) inline, and a refused one 200-400 us (a mask, then the best candidates one by one), against a token of
+~1.15 ms for the embedded model on the H100 (docs/log/2026-12-05-h100-second-run.md).
 """
 
 from __future__ import annotations
-
-import queue
-import threading
 
 import numpy as np
 from llguidance import LLMatcher
 
 
-class MaskJob:
-    """One mask to compute: `done` is held until it is written (a lock, the cheapest handoff there is: a
-    thread pool's future cost ~40 us per token on the development CPU, more than the mask)."""
-
-    __slots__ = ("guide", "mask", "done", "error")
-
-    def __init__(self, guide: LLMatcher, mask: np.ndarray) -> None:
-        self.guide, self.mask = guide, mask
-        self.done = threading.Lock()
-        self.done.acquire()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:  # the guide's mask: one bit per token (EOS alone once the guide has stopped)
-            self.guide.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
-        except BaseException as exc:  # handed to the request's step, which fails that request alone
-            self.error = exc
-        finally:
-            self.done.release()
-
-    def wait(self) -> None:
-        self.done.acquire()
-        self.done.release()
-        if self.error is not None:
-            raise RuntimeError(f"the constraint's mask failed: {self.error}") from self.error
-
-
-class MaskWorker:
-    """One thread computing the masks of a context's guided requests, in the order asked; started on the first.
-
-    One thread is enough: a mask takes tens of microseconds, a decode step a millisecond or more. Used from the
+class DueMasks:
+    """The guides of one context whose next mask is not computed yet, in the order they asked. Used from the
     step thread only."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[MaskJob | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._due: list[Guided] = []
 
-    def submit(self, guide: LLMatcher, mask: np.ndarray) -> MaskJob:
-        """Compute `guide`'s next mask into `mask`; the job holds both until it is done, so a request that
-        ends meanwhile frees nothing under it."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="guide-masks", daemon=True)
-            self._thread.start()
-        job = MaskJob(guide, mask)
-        self._jobs.put(job)
-        return job
+    def add(self, guided: Guided) -> None:
+        self._due.append(guided)
 
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job.run()
-
-    def close(self) -> None:
-        """Finish the jobs asked for and stop the thread."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
+    def compute(self) -> None:
+        """Compute every due mask (the context calls this right after launching a decode)."""
+        due, self._due = self._due, []
+        for guided in due:
+            guided.compute()
 
 
 class Guided:
-    """One request's guide and the mask of its next token, computed ahead by a MaskWorker.
+    """One request's guide and the mask of its next token: computed when its context's decode is launched
+    (`DueMasks`), else when first asked for (the first token of a guess verified in the same step)."""
 
-    The guide is touched by one thread at a time: the worker while a mask is pending, the step thread only after
-    waiting for it (llguidance's matcher refuses a second borrower)."""
-
-    def __init__(self, guide: LLMatcher, n_vocab: int, worker: MaskWorker) -> None:
-        self._guide, self._n_vocab, self._worker = guide, n_vocab, worker
+    def __init__(self, guide: LLMatcher, n_vocab: int, due: DueMasks) -> None:
+        self._guide, self._n_vocab, self._due = guide, n_vocab, due
         self._mask = np.zeros((n_vocab + 31) // 32, dtype=np.uint32)
-        self._pending: MaskJob | None = worker.submit(guide, self._mask)
+        self._fresh = False  # the mask is the one for the guide's next token
+        self._error: Exception | None = None
+        due.add(self)
+
+    def compute(self) -> None:
+        """The guide's mask for its next token, once (one bit per token; EOS alone once the guide has stopped).
+        A failure is kept for the step that reads the mask, which fails that request alone."""
+        if self._fresh:
+            return
+        try:
+            self._guide.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        except Exception as exc:
+            self._error = exc
+        self._fresh = True
 
     def _ready(self) -> LLMatcher:
-        """The guide, once the pending mask is written (the worker's error, if any, raised here)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.wait()
+        """The guide, its mask computed (the mask's error, if any, raised here)."""
+        self.compute()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the constraint's mask failed: {error}") from error
         return self._guide
 
     def allows(self, token: int) -> bool:
@@ -119,8 +91,9 @@ class Guided:
         return int(ids[int(logits[ids].argmax())])
 
     def advance(self, token: int) -> None:
-        """Consume the chosen token and start computing the next mask."""
+        """Consume the chosen token; the next mask is due."""
         guide = self._ready()
         if not guide.consume_token(token):
             raise RuntimeError(f"the constraint refused token {token}: {guide.get_error()}")
-        self._pending = self._worker.submit(guide, self._mask)
+        self._fresh = False
+        self._due.add(self)

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from serving.engine.config import CacheType, EngineConfig, FlashAttn, SplitMode, TensorOverride  # noqa: E402
 from serving.engine.errors import EngineError  # noqa: E402
-from serving.engine.guided import Guided, MaskWorker  # noqa: E402
+from serving.engine.guided import DueMasks, Guided  # noqa: E402
 from serving.engine.prompt_cache import StateBuffer  # noqa: E402
 from serving.engine.request import Constraint, ConstraintKind, SamplingParams, TokenLogprob  # noqa: E402
 from serving.engine.scheduler import MemoryKind  # noqa: E402
@@ -450,9 +450,9 @@ class SamplerChain:
     A constraint is applied the way llama-server applies a grammar: sample without it, and only if it rejects
     that token, sample again from what it allows. That draws from the distribution restricted to the
     constraint (rejection sampling) and costs one check on the tokens the model gets right.
-    - A guide (llguidance: response_format, forced tool calls) has the mask of allowed tokens computed ahead,
-      while the model decodes (serving/engine/guided.py): the check is one bit of it, and a rejected token is
-      sampled again from the masked logits (greedy: the best allowed token).
+    - A guide (llguidance: response_format, forced tool calls) has the mask of allowed tokens computed as the
+      decode is launched, before the logits are read (serving/engine/guided.py): the check is one bit of it,
+      and a rejected token is sampled again from the masked logits (greedy: the best allowed token).
     - A GBNF grammar (a client's raw `grammar`) goes through llama.cpp's grammar sampler, whose pass over
       the vocabulary costs milliseconds; greedy with nothing else in the chain, once the model's choice is
       refused, checks the next candidates in order of logit (GREEDY_TRIES of them, one single-token check
@@ -659,7 +659,7 @@ class LlamaContext:
         self.n_vocab = model.n_vocab
         self.batch = Batch(config.n_batch)
         self.candidates = Candidates(self.n_vocab)
-        self.masks = MaskWorker()  # guided requests' next masks, computed while the model decodes
+        self.masks = DueMasks()  # guided requests' next masks, computed once a decode is launched
 
     # -- the scheduler's ModelContext ----------------------------------------------------------------
     @property
@@ -678,9 +678,13 @@ class LlamaContext:
         return self.batch.add(tokens, start_pos, seq_id, want_logits, all_logits)
 
     def decode(self) -> int:
-        """Run the current batch through the model (the ctypes call releases the GIL while llama.cpp works)."""
+        """Run the current batch through the model (the ctypes call releases the GIL while llama.cpp works), then
+        compute the due guide masks: on a GPU llama_decode returns once the work is launched (the logits read
+        waits for it), so they are computed while the model decodes (serving/engine/guided.py)."""
         self.batch.struct.n_tokens = self.batch.n
-        return int(ll.llama_decode(self.ptr, self.batch.struct))
+        rc = int(ll.llama_decode(self.ptr, self.batch.struct))
+        self.masks.compute()
+        return rc
 
     def greedy(self, row: int) -> int:
         return int(self.logits(row).argmax())
@@ -785,7 +789,6 @@ class LlamaContext:
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
 
     def free(self) -> None:
-        self.masks.close()
         if self.ptr:
             ll.llama_free(self.ptr)
             self.ptr = None
