@@ -1,9 +1,10 @@
 """The composition root: `serve run serving.app:main [config=FILE] [KEY=VALUE ...]` builds the Ray Serve app from
 its parts. An ingress (serving/front/ingress.py) takes every HTTP request, answers /health from what the engine
-replicas last told its background watch, and relays every other request to one engine replica per GPU
+replicas last told its background watch, and relays every other request to an engine replica
 (serving/replica/server.py), each one Engine behind the OpenAI routes (serving/openai/) and its control routes
 /slots, /props, /metrics and /traffic. With `ingress=engine` there is no ingress: the engine replicas take HTTP
-themselves.
+themselves. A replica holds gpus_per_replica GPUs of one node; with `num_replicas=auto` there are as many as the
+cluster's GPUs hold, followed as nodes join or leave (serving/replica/scaling.py), with no redeploy.
 
 KEYs are EngineConfig fields (serving/engine/config.py) or ServerOptions fields (serving/replica/options.py). A
 model named on the hub (`model=OWNER/REPO:QUANT`) is resolved here, once, to a commit and its files; each replica
@@ -35,13 +36,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
 from serving.engine.chat_template import check_name
-from serving.engine.config import EngineConfig, load_engine_config
+from serving.engine.config import AutoSetting, EngineConfig, load_engine_config
 from serving.engine.model_store import HubModel, resolve
 from serving.front.http import HttpRules
 from serving.front.ingress import OpenAIIngress
 from serving.replica.control import ConfigChannel
-from serving.replica.options import IngressMode, ServerOptions
+from serving.replica.options import (DEFAULT_TARGET_ONGOING, MAX_REPLICAS, IngressMode, ReplicaCount,
+                                     ServerOptions)
 from serving.replica.routing import ROUTER, ROUTING_STATS_PERIOD_S
+from serving.replica.scaling import FOLLOW_DOWNSCALE_DELAY_S, FOLLOW_UPSCALE_DELAY_S, POLICY
 from serving.replica.server import ENGINE_AS_INGRESS, ENGINE_REPLICA
 
 log = logging.getLogger("serving")
@@ -180,21 +183,57 @@ def resolve_model(engine_config: EngineConfig) -> EngineConfig:
     return engine_config.model_copy(update={"model": resolve(engine_config.model)})
 
 
+def gpus_per_replica(options: ServerOptions, gpus: int) -> int:
+    """The GPUs each engine replica asks Ray for: the setting, or where auto 1 when the cluster (or this machine)
+    has a GPU as the app is built, else 0 (the CPU)."""
+    if options.gpus_per_replica == "auto":
+        return 1 if gpus > 0 else 0
+    return int(options.gpus_per_replica)
+
+
+def replica_scaling(options: ServerOptions, engine_config: EngineConfig, gpus: int, per_replica: int
+                    ) -> dict[str, Any]:
+    """The engine deployment's replica options: a fixed `num_replicas`, or an `autoscaling_config` whose policy
+    follows the cluster's GPUs (auto) or the load within them (load; serving/replica/scaling.py). Replicas on the
+    CPU (no GPU to count) are one where auto."""
+    count = options.num_replicas
+    if isinstance(count, int):
+        return {"num_replicas": count}
+    if count is ReplicaCount.auto and per_replica == 0:
+        return {"num_replicas": 1}
+    most = options.max_replicas or MAX_REPLICAS
+    held_now = gpus // per_replica if per_replica else options.min_replicas
+    autoscaling: dict[str, Any] = {"min_replicas": options.min_replicas, "max_replicas": most,
+                                   "initial_replicas": min(max(held_now, options.min_replicas), most)}
+    if count is ReplicaCount.load:
+        autoscaling["target_ongoing_requests"] = options.target_ongoing_requests or (
+            DEFAULT_TARGET_ONGOING if AutoSetting.n_parallel in engine_config.auto else engine_config.n_parallel)
+    else:
+        autoscaling.update(upscale_delay_s=FOLLOW_UPSCALE_DELAY_S, downscale_delay_s=FOLLOW_DOWNSCALE_DELAY_S)
+    if per_replica:
+        autoscaling["policy"] = {"policy_function": POLICY, "policy_kwargs": {
+            "gpus_per_replica": per_replica, "follow_load": count is ReplicaCount.load}}
+    return {"autoscaling_config": autoscaling}
+
+
 def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Application:
     """The Serve application for one engine config: the ingress with its HTTP rules bound, the engine
-    replicas (routing limits, resources), the config channel. The ingress and the channel hold no model and
-    live on the head node: a cluster that loses another node keeps its front door and its config. With
-    `ingress=engine` the engine replicas are the app's ingress (the rules around their own routes)."""
+    replicas (routing limits, resources, how many), the config channel. The ingress and the channel hold no
+    model and live on the head node: a cluster that loses another node keeps its front door and its config.
+    With `ingress=engine` the engine replicas are the app's ingress (the rules around their own routes).
+
+    A replica of several GPUs asks Ray for all of them as one actor, which Ray places on one node (llama.cpp
+    cannot spread a model over nodes); CUDA_VISIBLE_DEVICES then lists them and the engine splits the model
+    by split_mode and tensor_split."""
     gpus = _gpus_available()
-    replicas = options.num_replicas
-    if replicas == "auto":
-        replicas = max(gpus, 1)
+    per_replica = gpus_per_replica(options, gpus)
+    scaling = replica_scaling(options, engine_config, gpus, per_replica)
     actor_options: dict[str, Any] = {"num_cpus": options.cpus_per_replica, "runtime_env": engine_env(engine_config)}
-    if gpus > 0:
-        actor_options["num_gpus"] = 1
+    if per_replica > 0:
+        actor_options["num_gpus"] = per_replica
     engine_deployment: Any = ENGINE_AS_INGRESS if options.ingress is IngressMode.engine else ENGINE_REPLICA
     deployment = engine_deployment.options(
-        num_replicas=int(replicas),
+        **scaling,
         max_ongoing_requests=options.max_ongoing_requests,
         max_queued_requests=options.max_queued_requests,
         ray_actor_options=actor_options,
@@ -209,10 +248,12 @@ def build_app(engine_config: EngineConfig, options: ServerOptions) -> serve.Appl
     engines = deployment.bind(options.model_dump(), channel.bind())
     if options.ingress is IngressMode.engine:
         return engines
+    first = scaling.get("num_replicas") or scaling["autoscaling_config"]["initial_replicas"]
+    most = scaling.get("num_replicas") or scaling["autoscaling_config"]["max_replicas"]
     ingress = OpenAIIngress.options(  # type: ignore[attr-defined]
         ray_actor_options={**on_head, "runtime_env": replica_env()},
-        max_ongoing_requests=int(replicas) * options.max_ongoing_requests + options.control_headroom)
-    return ingress.bind(engines, HttpRules(options.api_key, tuple(options.cors_origins)), int(replicas))
+        max_ongoing_requests=int(most) * options.max_ongoing_requests + options.control_headroom)
+    return ingress.bind(engines, HttpRules(options.api_key, tuple(options.cors_origins)), int(first))
 
 
 def main(args: AppArgs) -> serve.Application:

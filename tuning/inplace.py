@@ -6,6 +6,10 @@ slot: a trial takes its engine between client requests (serving/replica/trials.p
 and runs the same measurement as an offline trial (tuning/objective.py's `measure_engine`), with the
 memory of the whole device. The study ends with a config published to every replica: the pick, or, when
 the study is interrupted, the config they served before.
+
+The replicas may change under a study (num_replicas=auto follows the cluster): each trial goes to a replica that
+exists then (Serve routes it, away from those in a trial), one that appears takes trials in turn, and one lost
+mid-trial fails that trial with the reason, while the study goes on with the others.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ from tuning.serving_app import engine_handle
 from tuning.trial import ConfigTrial
 
 REQUESTS_PER_TRIAL = 1000  # request numbers each trial's prompts may use (fresh prefixes across trials)
+# what a trial's actor asks for: it only sends the config and the measurement to a replica, so it lives on the head
+# node, which a cluster never loses: a node lost mid-study fails the trial its replica ran (the report shows the
+# error), never the trial's own actor
+ON_HEAD = {"cpu": 0.01, "node:__internal_head__": 0.001}
+LOST = ("the replica running this trial was lost (its node left the cluster, or it died); the study goes on with "
+        "the others")
 
 
 class ReplicaTrial(ConfigTrial):
@@ -39,14 +49,16 @@ class ReplicaTrial(ConfigTrial):
         self.requests = itertools.count(1, REQUESTS_PER_TRIAL)
 
     def _measure(self, config: EngineConfig) -> MeasuredRun:
-        from ray.exceptions import RayError
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
         measure = InPlaceMeasure(self.settings.workload, self.settings.on_gpu, next(self.requests), self.baseline,
                                  self.settings.traffic)
         try:
             run: TrialRun = self.handle.tune_trial.remote(self.study, self.trials, config,
                                                           measure).result()
-        except RayError as exc:  # the replica could not run it (a config that does not build, a lost replica)
+        except (ActorDiedError, ActorUnavailableError) as exc:  # its node left the cluster, or it died
+            raise RuntimeError(f"{LOST}: {type(exc).__name__}") from exc
+        except RayError as exc:  # the replica could not run it (a config that does not build)
             raise RuntimeError(f"the replica could not run this trial: {exc}") from exc
         measured: Measurement = run.measured
         self.baseline = measured.nll_baseline

@@ -88,6 +88,7 @@ def study_plan(opts: SearchOptions, app: ServingApp | None, total: int, free: in
     shape, space = model_and_space(opts, base)
     min_ctx = least_context(opts, shape, traffic)
     slots = trial_slots(opts, total, free, app)
+    space = space.for_gpus((app or slots).gpus_per_engine, base)
     on_gpu = choose_device(opts, total, free, app, slots)
     budget = budget_bytes(opts, on_gpu, app.gpu_memory_total if app is not None else slots.gpu_memory_total)
     contexts = affordable_contexts(shape, base, space, space.contexts(min_ctx, shape.n_ctx_train), budget, on_gpu)

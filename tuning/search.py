@@ -150,13 +150,13 @@ def run_study(plan: StudyPlan, searcher: Any) -> float:
     from ray import tune
     from ray.tune import Callback, CLIReporter
 
-    from tuning.inplace import FirstTrialNotice, ReplicaTrial
+    from tuning.inplace import ON_HEAD, FirstTrialNotice, ReplicaTrial
     from tuning.trial import EngineTrial
 
     opts, settings, app = plan.options, plan.settings, plan.app
     if app is not None:  # each replica is a trial slot; the actor only talks to it
         trainable = tune.with_resources(tune.with_parameters(
-            ReplicaTrial, settings=settings, app=app.name, study=plan.study_name, trials=opts.trials), {"cpu": 0.01})
+            ReplicaTrial, settings=settings, app=app.name, study=plan.study_name, trials=opts.trials), ON_HEAD)
     else:
         trainable = tune.with_resources(tune.with_parameters(EngineTrial, settings=settings), plan.slots.resources)
     reporter = CLIReporter(

@@ -9,7 +9,8 @@ live in host memory, `n_cpu_moe`, taken from the first layers or the last (`expe
 layers on the GPU, `n_gpu_layers`), and `n_threads` for what the CPU computes is searched (the space's list, else
 `thread_choices`, unless the base config sets it), and speculative decoding (`spec_mode`) only when the space lists
 more than `off`, its draft bound and busy-slot limit only for the configs that speculate (measure it with
-`--prompt-set both`: prompt lookup pays on text that copies its prompt).
+`--prompt-set both`: prompt lookup pays on text that copies its prompt), and where each engine holds several GPUs
+how the model spreads over them (`split_mode`: by layer or by row).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from serving.engine.config import CacheType, EngineConfig, FlashAttn, SpecMode
+from serving.engine.config import CacheType, EngineConfig, FlashAttn, SpecMode, SplitMode
 from serving.engine.fit import ExpertEnd, expert_placement, fewest_expert_layers, most_layers
 from serving.engine.memory import ModelShape
 
@@ -59,6 +60,10 @@ class SearchSpace(BaseModel):
                                         description="a mixture of experts that does not fit: which end of the "
                                         "model the layers whose experts live in host memory come from; one "
                                         "value = not searched")
+    split_mode: list[SplitMode] = Field(default_factory=lambda: [SplitMode.layer],
+                                        description="engines of several GPUs (gpus_per_replica): how the model "
+                                        "spreads over them, searched there when the space lists more than one "
+                                        "(the shipped space: layer and row); one GPU: the base config's")
 
     @field_validator("n_parallel", "n_batch", "n_ubatch", "ctx_per_slot", "spec_draft_max", "spec_max_busy")
     @classmethod
@@ -87,6 +92,18 @@ class SearchSpace(BaseModel):
         if not values:
             raise ValueError("needs at least one value: [first], [last] or both")
         return list(dict.fromkeys(values))
+
+    @field_validator("split_mode")
+    @classmethod
+    def _splits(cls, values: list[SplitMode]) -> list[SplitMode]:
+        if not values:
+            raise ValueError("needs at least one value: layer, row or none")
+        return list(dict.fromkeys(values))
+
+    def for_gpus(self, gpus_per_engine: int, base: EngineConfig) -> SearchSpace:
+        """This space where each engine holds `gpus_per_engine` GPUs: with fewer than two there is nothing to
+        split, and split_mode stays the base config's (not searched)."""
+        return self if gpus_per_engine > 1 else self.model_copy(update={"split_mode": [base.split_mode]})
 
     @field_validator("flash_attn", "spec_mode", mode="before")
     @classmethod
@@ -190,6 +207,8 @@ def suggest(trial: Any, space: SearchSpace, contexts: list[int], placement: Plac
         params["flash_attn"] = FlashAttn.on.value  # llama.cpp needs it for a quantised V cache
     else:
         params["flash_attn"] = trial.suggest_categorical("flash_attn", [f.value for f in space.flash_attn])
+    if len(space.split_mode) > 1:
+        params["split_mode"] = trial.suggest_categorical("split_mode", [m.value for m in space.split_mode])
     if params["n_parallel"] > 1:
         values = space.kv_unified
         params["kv_unified"] = trial.suggest_categorical("kv_unified", values) if len(values) > 1 else values[0]

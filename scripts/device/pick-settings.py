@@ -11,7 +11,8 @@ import sys
 import yaml
 
 SEARCHED = ("n_parallel", "n_ctx", "n_batch", "n_ubatch", "type_k", "type_v", "flash_attn", "kv_unified",
-            "n_gpu_layers", "n_cpu_moe", "cpu_moe_start", "n_threads", "spec_mode", "spec_draft_max", "spec_max_busy")
+            "n_gpu_layers", "n_cpu_moe", "cpu_moe_start", "n_threads", "spec_mode", "spec_draft_max", "spec_max_busy",
+            "split_mode")
 
 
 def settings(engine: dict) -> str:

@@ -33,6 +33,7 @@ from enum import Enum
 from serving.engine.config import AutoSetting, EngineConfig, SplitMode
 from serving.engine.devices import DeviceMemory
 from serving.engine.memory import GiB, ModelShape, kv_cache_bytes, predict
+from serving.engine.split import equivalent_total, per_gpu, shares
 
 FIT_MARGIN = 1 * GiB  # left free on each GPU: llama-server's --fit-target default (1024 MiB)
 AGENT_CTX = 65536  # a slot's context for coding agents (30-60k tokens a request; Ollama's docs ask for 64k)
@@ -52,28 +53,43 @@ class DeviceKind(str, Enum):
 
 @dataclass(frozen=True)
 class FitBudget:
-    """The memory a fit may plan for, and where that figure came from (for the log line)."""
+    """The memory a fit may plan for, and where that figure came from (for the log line). A model split over
+    several GPUs also has each GPU's own (`gpus`, free less the margin) and its share of the split (`split`,
+    serving/engine/split.py): each GPU must hold its part."""
 
     kind: DeviceKind
     bytes: int
     source: str
+    gpus: tuple[int, ...] = ()
+    split: tuple[float, ...] = ()
 
     def fits(self, shape: ModelShape, config: EngineConfig) -> bool:
-        """Whether `config` is predicted within the budget: on a GPU all it holds there, on the CPU its K/V."""
+        """Whether `config` is predicted within the budget: on a GPU all it holds there (on several, each GPU its
+        part too), on the CPU its K/V."""
         if self.kind is DeviceKind.gpu:
-            return predict(shape, config, on_gpu=True).total <= self.bytes
+            estimate = predict(shape, config, on_gpu=True)
+            return estimate.total <= self.bytes and all(
+                part <= free for part, free in zip(per_gpu(estimate, config, self.split), self.gpus, strict=True))
         return kv_cache_bytes(shape, config) <= self.bytes
 
 
 def gpu_budget(gpus: Sequence[DeviceMemory], config: EngineConfig) -> FitBudget:
     """The GPUs' free memory less FIT_MARGIN each (split_mode none: main_gpu's alone), or `vram_budget` where
-    that is less: the operator's cap, and how a comparison at a fixed budget is set up."""
+    that is less: the operator's cap, and how a comparison at a fixed budget is set up. Over several GPUs the
+    whole is what the split lets them hold (the tightest GPU's free memory over its share), and each GPU is
+    checked against its own."""
     used = [gpus[config.main_gpu]] if config.split_mode is SplitMode.none and config.main_gpu < len(gpus) else gpus
-    free = sum(max(g.free_bytes - FIT_MARGIN, 0) for g in used)
+    each = tuple(max(g.free_bytes - FIT_MARGIN, 0) for g in used)
     names = ", ".join(f"{g.name} #{g.index}" for g in used)
+    split = shares(config, each) if len(each) > 1 else ()
+    free = equivalent_total(each, split) if split else sum(each)
+    if split:
+        names += f" split by {config.split_mode.value} " + ":".join(f"{s:.2f}" for s in split)
     if config.vram_budget is not None and config.vram_budget < free:
-        return FitBudget(DeviceKind.gpu, config.vram_budget, f"vram_budget; {free / GiB:.1f} GiB free on {names}")
-    return FitBudget(DeviceKind.gpu, free, f"free on {names} less {FIT_MARGIN // GiB} GiB")
+        return FitBudget(DeviceKind.gpu, config.vram_budget, f"vram_budget; {free / GiB:.1f} GiB free on {names}",
+                         each if split else (), split)
+    return FitBudget(DeviceKind.gpu, free, f"free on {names} less {FIT_MARGIN // GiB} GiB each",
+                     each if split else (), split)
 
 
 def cpu_budget(available: int) -> FitBudget:
@@ -138,10 +154,19 @@ def _first(values: Sequence[int], fits: Callable[[int], bool]) -> int | None:
     return next((v for v in values if fits(v)), None)
 
 
-def most_layers(shape: ModelShape, config: EngineConfig, budget: int) -> int | None:
+def _within(shape: ModelShape, budget: int | FitBudget) -> Callable[[EngineConfig], bool]:
+    """Whether a config fits `budget`: bytes of the whole (the tuner's), or a FitBudget (over several GPUs, each
+    GPU's part checked too)."""
+    if isinstance(budget, FitBudget):
+        return lambda config: budget.fits(shape, config)
+    return lambda config: predict(shape, config, on_gpu=True).total <= budget
+
+
+def most_layers(shape: ModelShape, config: EngineConfig, budget: int | FitBudget) -> int | None:
     """The largest n_gpu_layers (counting the output layer, as llama.cpp does) predicted within `budget`."""
-    return _first(range(shape.n_layer + 1, -1, -1), lambda n: predict(
-        shape, config.model_copy(update={"n_gpu_layers": n, "n_cpu_moe": 0}), on_gpu=True).total <= budget)
+    within = _within(shape, budget)
+    return _first(range(shape.n_layer + 1, -1, -1),
+                  lambda n: within(config.model_copy(update={"n_gpu_layers": n, "n_cpu_moe": 0})))
 
 
 class ExpertEnd(str, Enum):
@@ -164,15 +189,15 @@ def expert_placement(shape: ModelShape, n: int, end: ExpertEnd) -> dict[str, int
     return {"n_cpu_moe": n, "cpu_moe_start": end.start(shape, n)}
 
 
-def fewest_expert_layers(shape: ModelShape, config: EngineConfig, budget: int,
+def fewest_expert_layers(shape: ModelShape, config: EngineConfig, budget: int | FitBudget,
                          end: ExpertEnd = ExpertEnd.first) -> int | None:
     """The smallest n_cpu_moe (all layers on the GPU otherwise), its layers taken from `end`, predicted within
     `budget`; None for a dense model, or when even every layer's experts in host memory do not fit."""
     if not shape.n_expert:
         return None
-    return _first(range(shape.n_layer + 1), lambda n: predict(
-        shape, config.model_copy(update={"n_gpu_layers": -1, **expert_placement(shape, n, end)}),
-        on_gpu=True).total <= budget)
+    within = _within(shape, budget)
+    return _first(range(shape.n_layer + 1), lambda n: within(
+        config.model_copy(update={"n_gpu_layers": -1, **expert_placement(shape, n, end)})))
 
 
 def _place(shape: ModelShape, config: EngineConfig, budget: FitBudget) -> EngineConfig:
@@ -190,7 +215,7 @@ def _place(shape: ModelShape, config: EngineConfig, budget: FitBudget) -> Engine
     for reserve in reserves:
         if budget.fits(shape, reserve):
             return everything
-        moved = fewest_expert_layers(shape, reserve, budget.bytes, ExpertEnd.last)
+        moved = fewest_expert_layers(shape, reserve, budget, ExpertEnd.last)
         if moved is not None:
             return everything.model_copy(update=expert_placement(shape, moved, ExpertEnd.last))
     if shape.n_expert:
@@ -198,7 +223,7 @@ def _place(shape: ModelShape, config: EngineConfig, budget: FitBudget) -> Engine
         layers = _first(range(shape.n_layer + 1, -1, -1), lambda n: budget.fits(
             shape, least.model_copy(update={"n_gpu_layers": n, **experts})))
         return config.model_copy(update={"n_gpu_layers": layers or 0, **experts})
-    return config.model_copy(update={"n_gpu_layers": most_layers(shape, least, budget.bytes) or 0})
+    return config.model_copy(update={"n_gpu_layers": most_layers(shape, least, budget) or 0})
 
 
 def _least_context(shape: ModelShape, config: EngineConfig, per_slot: int) -> EngineConfig:

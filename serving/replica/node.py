@@ -28,8 +28,9 @@ class ReplicaPlace:
 
     @property
     def gpu_memory_total(self) -> int | None:
-        """The smallest of the replica's GPUs (what one engine can use), None without a GPU."""
-        return min((g.total_bytes for g in self.gpus), default=None)
+        """The memory of the replica's GPUs (one engine spreads its model over all of them: gpus_per_replica),
+        None without a GPU."""
+        return sum(g.total_bytes for g in self.gpus) if self.gpus else None
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "gpu_memory_total": self.gpu_memory_total}
@@ -56,6 +57,11 @@ class Placed:
         """The smallest GPU over the places (a pick must fit every one), None where one has none."""
         totals = [p.gpu_memory_total for p in self.places]
         return min(totals) if totals and None not in totals else None  # type: ignore[type-var]
+
+    @property
+    def gpus_per_engine(self) -> int:
+        """The fewest GPUs one engine holds over the places (2 or more: the model is split, split_mode matters)."""
+        return min((len(p.gpus) for p in self.places), default=0)
 
     @property
     def threads(self) -> int | None:

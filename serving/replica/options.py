@@ -8,13 +8,24 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serving.engine.config import EngineConfig
 
 INTERVAL_MS = 50.0  # stream_interval_ms=auto where HTTP work has a core of its own (a GPU, or a spare core)
 # ... and where the decode threads take every core: docs/log/2026-12-04-cpu-http-pacing.md
 CPU_BOUND_INTERVAL_MS = 200.0
+
+
+MAX_REPLICAS = 256  # num_replicas auto or load without max_replicas: Serve needs a bound
+DEFAULT_TARGET_ONGOING = 4.0  # num_replicas load, n_parallel auto: llama-server's 4 slots
+
+
+class ReplicaCount(str, Enum):
+    """How many engine replicas run, where num_replicas is not a number."""
+
+    auto = "auto"  # as many as the cluster's GPUs hold, followed as nodes join or leave
+    load = "load"  # Serve's autoscaling on ongoing requests, within what the GPUs hold
 
 
 class IngressMode(str, Enum):
@@ -34,7 +45,23 @@ class ServerOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_replicas: int | str = Field("auto", description="'auto' = one per GPU in the cluster (1 on CPU)")
+    num_replicas: int | ReplicaCount = Field(ReplicaCount.auto, description="engine replicas: a number, fixed; "
+                                             "'auto', as many as the cluster's GPUs hold (gpus_per_replica each), "
+                                             "followed as nodes join or leave (1 on CPU); 'load', Serve's "
+                                             "autoscaling on ongoing requests, within what the GPUs hold")
+    gpus_per_replica: int | Literal["auto"] = Field("auto", description="GPUs each engine replica holds, all on "
+                                                    "one node (llama.cpp spreads the model over them by split_mode "
+                                                    "and tensor_split); 'auto': 1 where the cluster has a GPU when "
+                                                    "the app is built, else 0 (the CPU)")
+    min_replicas: int = Field(1, ge=0, description="num_replicas auto or load: the fewest engine replicas (a "
+                              "replica that no GPU can hold yet waits for one, e.g. for a worker to join)")
+    max_replicas: int | None = Field(None, ge=1, description="num_replicas auto or load: the most engine "
+                                     f"replicas; none: what the GPUs hold, up to {MAX_REPLICAS}")
+    target_ongoing_requests: float | None = Field(None, gt=0, description="num_replicas load: the requests "
+                                                  "(running and queued) a replica should have; Serve adds "
+                                                  "replicas above it and removes them below. None: the "
+                                                  "config's n_parallel (its slots), else "
+                                                  f"{DEFAULT_TARGET_ONGOING:g}")
     max_queued_requests: int = Field(64, ge=1, description="completions a replica's engine holds waiting for "
                                      "a slot; beyond it 503 with Retry-After (also the bound of Serve's own "
                                      "queue in front of the replicas, a backstop)")
@@ -74,6 +101,19 @@ class ServerOptions(BaseModel):
     slot_save_path: Path | None = Field(None, description="directory of slot files (POST /slots/{id}?action="
                                         "save|restore|erase, llama-server's --slot-save-path), on each replica's "
                                         "node; none: those answer 400")
+
+    @field_validator("gpus_per_replica", mode="after")
+    @classmethod
+    def _not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("gpus_per_replica: 0 (the CPU), 1 or more, or 'auto'")
+        return value
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ServerOptions:
+        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})")
+        return self
 
     @field_validator("slot_save_path", mode="after")
     @classmethod
