@@ -19,7 +19,7 @@ import pytest
 
 from serving.engine.config import EngineConfig
 from serving.engine.memory import ModelShape, kv_cache_bytes
-from serving.engine.request import FinishReason, GenerationChunk, SamplingParams
+from serving.engine.request import FinishReason, GenerationChunk, RequestHandle, SamplingParams
 from serving.engine.scheduler import CHECKPOINT_TAIL
 from tests.helpers import WAIT_S, script_module
 
@@ -44,7 +44,11 @@ class Answer:
 
 def answer(engine: Engine, prompt: list[int]) -> Answer:
     """Run one request to its end; the test fails on an error chunk."""
-    handle = engine.submit(prompt, PARAMS)
+    return read(engine.submit(prompt, PARAMS))
+
+
+def read(handle: RequestHandle) -> Answer:
+    """A request's answer, read to its end; the test fails on an error chunk."""
     chunks: list[GenerationChunk] = []
     while not handle.finished:
         chunks.append(handle.get(timeout=WAIT_S))
@@ -163,6 +167,26 @@ def test_a_recurrent_state_comes_back_from_host_ram_and_from_a_slot_file(models:
     finally:
         warm.close()
         cold.close()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", list(SYNTHETIC))
+def test_choices_copy_a_recurrent_state_whole(models: dict[str, Path], arch: str) -> None:
+    """n choices prefill once and copy the slot's memory (llama_memory_seq_cp of the whole sequence: the
+    recurrent state is shared, then copied at the next decode); each answers as one request alone."""
+    from serving.engine.core import Engine
+
+    engine = Engine(config(models[arch], n_parallel=3))
+    try:
+        prompt = engine.tokenize_prompt(HISTORY)
+        choices = [read(handle) for handle in engine.submit_choices(prompt, PARAMS, 3)]
+        for slot in range(3):
+            engine.erase_slot(slot)
+        alone = answer(engine, prompt)
+        for choice in choices:
+            assert_same(choice, alone)
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module")

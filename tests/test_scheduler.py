@@ -1036,11 +1036,14 @@ def test_the_prompt_cache_restores_a_recurrent_state_only_into_a_prompt_that_ext
 
 
 @pytest.mark.parametrize("kind", CANNOT_CUT)
-def test_no_guesses_where_the_memory_cannot_drop_the_rejected_ones(kind: MemoryKind) -> None:
+def test_no_guesses_where_the_memory_cannot_drop_the_rejected_ones(kind: MemoryKind,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     from serving.engine.speculate import SpecSettings
 
     ctx = FakeContext(memory_kind=kind)
-    s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4))
+    with caplog.at_level("WARNING", logger="serving.engine.scheduler"):
+        s = Scheduler(ctx, 1, default_seed=1, spec=SpecSettings(draft_max=4))
+    assert any("speculation stays off" in r.message for r in caplog.records)
     r = req([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=6, temperature=0.0))
     s.add([r])
     assert ends(run(s, ctx))[r.id].error is None

@@ -242,6 +242,9 @@ class Scheduler:
         start empty, and so does the prompt cache (its states fit only the context that made them). Only called
         while no slot is busy."""
         self._ctx, self._seed, self._spec = ctx, default_seed, spec
+        if spec is not None and not ctx.memory_kind.cuts:
+            log.warning("speculation stays off: a %s model's memory cannot drop the guesses it rejects",
+                        ctx.memory_kind.value)
         if self.prompt_cache is not None:
             self.prompt_cache.clear()
         self.slots = [Slot(seq_id=i) for i in range(n_parallel)]
