@@ -290,7 +290,6 @@ class Scheduler:
         if ctx.batch_size == 0:
             return outputs, False
         if self._decode(outputs):
-            self._checkpoint(due)
             self._share_prompts()
             self._sample(outputs)
             seconds = self._clock() - t0
@@ -298,6 +297,7 @@ class Scheduler:
                 self._costs.observe(generating_rows, seconds)
             elif self.prompt_cache is not None:  # what a skipped save's tokens would cost to prefill again
                 self.prompt_cache.prices.prefilled(ctx.batch_size, ctx.batch_size - generating_rows, seconds)
+            self._checkpoint(due)  # after the step is priced: the copy is no part of a prefill's cost
         return outputs, True
 
     def _draft(self, slot: Slot, room: int, rows: int) -> list[int]:
@@ -653,7 +653,8 @@ class Scheduler:
                 slot.sampler.accept(prompt[-last_n:] if last_n > 0 else prompt)
 
     def _cut(self, slot: Slot, keep: int) -> int:
-        """Drop the slot's cells from position `keep` on; the tokens it still holds: `keep`, or 0 where llama.cpp
+        """Drop the slot's cells from position `keep` on (a recurrent state goes back to its latest checkpoint
+        within `keep` first); the tokens it still holds: `keep` (or the checkpoint's), or 0 where llama.cpp
         refused the cut or the cells left no longer hold what decoding position `keep` attends to (the slot
         is then emptied, and the prompt prefilled from its start, as llama-server does)."""
         ctx, wanted = self._ctx, keep
@@ -695,8 +696,7 @@ class Scheduler:
         that (llama-server asks one more: pos_min < keep - n_swa); else the window's first cells were
         overwritten. Attention cells hold position 0, and a recurrent or hybrid state sits at its last
         position, keep - 1 after a cut (a hybrid reports the larger of its parts' pos_min, so a hybrid's
-        window is not checked here: its attention cells are full-size, as the context's swa_full default
-        makes every window)."""
+        window is not checked here: its attention cells are full-size, the context sets swa_full)."""
         window = self._ctx.n_swa if self._ctx.memory_kind is MemoryKind.swa else 0
         first_needed = max(keep - window + 1, 0) if window else keep - 1
         return 0 <= self._ctx.pos_min(seq_id) <= first_needed
