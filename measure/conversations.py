@@ -18,6 +18,13 @@ Targets: our engine in-process with the cache (`cache_ram_mib` as configured, 81
 `--server-args`); with `--server NAME=URL`, any OpenAI-compatible server already running. Greedy, answers of
 `--answer-tokens` (EOS ignored), so every target does the same work. JSON report, markdown table and a plot.
 
+`--replicas N` measures our Serve app instead (Ray and Serve started here, the app deployed with N engine
+replicas and the `--engine` settings), once with prefix affinity and once without (`prefix_affinity=false`:
+by load alone), and reports where the router sent the turns (/metrics' llm_requests_routed):
+
+    LLAMA_SERVE_TUNE_THREADS=1 python scripts/bench_conversations.py --replicas 2 --conversations 8 \\
+        --engine n_parallel=2 --engine n_ctx=8192
+
 `--think-ms` pauses after each answer before the next turn, as a user reading it does (default 0: back to
 back). Where the slots' states are saved matters there: ours saves a finished slot while the engine is idle,
 llama-server when a new prompt takes the slot, between that prompt and its first token; back to back, the
@@ -74,6 +81,8 @@ class Summary:
     returning_ttft_s: float  # median over returning turns
     ratio: float  # returning / first
     returning_cached_tokens: float | None  # median reported cached tokens of returning turns
+    returning_mean_ttft_s: float  # the mean shows what the median hides: the few turns that prefilled again
+    returning_missed: int | None  # returning turns with under half their prompt cached (None: not reported)
 
 
 def history(conversation: int, tokens: int) -> str:
@@ -116,18 +125,23 @@ def summarize(name: str, turns: Sequence[Turn]) -> Summary:
     back = [t for t in turns if t.turn > 1]
     cached = [t.cached_tokens for t in back if t.cached_tokens is not None]
     first_s, back_s = statistics.median(first), statistics.median(t.ttft_s for t in back)
-    return Summary(name, first_s, back_s, back_s / first_s, statistics.median(cached) if cached else None)
+    missed = sum(t.cached_tokens < (t.prompt_tokens or 0) / 2 for t in back if t.cached_tokens is not None)
+    return Summary(name, first_s, back_s, back_s / first_s, statistics.median(cached) if cached else None,
+                   statistics.fmean(t.ttft_s for t in back), missed if cached else None)
 
 
 def markdown(summaries: Sequence[Summary], reference: str) -> str:
     ref = next(s for s in summaries if s.target == reference)
     lines = ["| target | first turn TTFT (median) | returning turn TTFT (median) | returning / first | "
-             f"returning TTFT / {reference}'s | cached tokens of a returning turn (median) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             f"returning TTFT / {reference}'s | cached tokens of a returning turn (median) | returning turn TTFT "
+             "(mean) | returning turns prefilled again |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for s in summaries:
         cached = "n/a" if s.returning_cached_tokens is None else f"{s.returning_cached_tokens:.0f}"
+        missed = "n/a" if s.returning_missed is None else str(s.returning_missed)
         lines.append(f"| {s.target} | {s.first_ttft_s * 1000:.0f} ms | {s.returning_ttft_s * 1000:.0f} ms | "
-                     f"{s.ratio:.3f} | {s.returning_ttft_s / ref.returning_ttft_s:.2f} | {cached} |")
+                     f"{s.ratio:.3f} | {s.returning_ttft_s / ref.returning_ttft_s:.2f} | {cached} | "
+                     f"{s.returning_mean_ttft_s * 1000:.0f} ms | {missed} |")
     return "\n".join(lines) + "\n"
 
 
@@ -168,6 +182,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--server-args", default="", help="llama-server's other flags, e.g. \"-np 2 -c 8192 -fa on\"")
     p.add_argument("--server", action="append", default=[], metavar="NAME=URL",
                    help="an OpenAI-compatible server already running (its API root, e.g. http://127.0.0.1:8000/v1)")
+    p.add_argument("--replicas", type=int, metavar="N",
+                   help="measure our Serve app with N engine replicas, prefix affinity on and off, instead of the "
+                        "in-process engine and llama-server")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report; .md and .png beside it")
     args = p.parse_args(argv)
     if min(args.conversations, args.turns, args.history_tokens, args.answer_tokens) < 1:
@@ -176,6 +193,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--turns must be at least 2: the figure compares returning turns with first turns")
     if args.think_ms < 0:
         p.error("--think-ms must be 0 or more")
+    if args.replicas is not None and (args.replicas < 1 or args.llama_server or args.server):
+        p.error("--replicas must be 1 or more, and measures the Serve app alone (no --llama-server, --server)")
     return args
 
 
@@ -199,12 +218,62 @@ def peer_args(config: EngineConfig, server_args: str, cache_mib: int) -> list[st
     flags = [*shlex.split(server_args), "--cache-ram", str(cache_mib)]
     return flags + repack_server_args(config, flags)
 
-async def measure_all(args: argparse.Namespace, config: EngineConfig) -> dict[str, list[Turn]]:
+def routed_by(metrics_text: str) -> dict[str, float]:
+    """llm_requests_routed of a /metrics text, summed over replicas, by why (affinity, load, ...)."""
+    import re
+
+    counts: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("llm_requests_routed_total{") and (by := re.search(r'by="([^"]*)"', line)):
+            counts[by.group(1)] = counts.get(by.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+async def served_model(target: Any, timeout_s: float = 120.0) -> None:
+    """Ask /models until a replica names the served model: right after /health says ok, a /models relayed to a
+    replica still settling can fail, and the requests would name no model the server has."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while target.model_name == "default" and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(1.0)
+        await target.preflight()
+
+
+async def measure_serve(args: argparse.Namespace, shape: tuple[Any, ...]) -> tuple[dict[str, list[Turn]],
+                                                                                 dict[str, dict[str, float]]]:
+    """Our Serve app with `args.replicas` engine replicas, prefix affinity on then off: each one's turns, and
+    where the router sent them."""
+    import httpx
+
+    from measure.serve_app import deployed, start_serve, stop_serve
+
+    words: dict[str, Any] = dict(item.split("=", 1) for item in args.engine)
+    if args.model is not None:
+        words["model"] = str(args.model)
+    words.update(config=str(args.config), num_replicas=args.replicas, cpus_per_replica=0.5)
+    results: dict[str, list[Turn]] = {}
+    routed: dict[str, dict[str, float]] = {}
+    port = start_serve(0, None)
+    try:
+        for affinity in (True, False):
+            name = f"Serve, {args.replicas} replicas, prefix affinity {'on' if affinity else 'off'}"
+            app = f"affinity-{'on' if affinity else 'off'}"
+            async with deployed(port, {**words, "prefix_affinity": affinity}, 900, 600, name=app) as target:
+                await served_model(target)
+                results[name] = await run_target(target, *shape)
+                async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
+                    routed[name] = routed_by((await http.get(target.base_url.removesuffix("/v1") + "/metrics")).text)
+                print(f"[{name}] routed: {routed[name]}", file=sys.stderr, flush=True)
+    finally:
+        stop_serve()
+    return results, routed
+
+
+async def measure_all(args: argparse.Namespace, config: EngineConfig, shape: tuple[Any, ...]
+                      ) -> dict[str, list[Turn]]:
     from serving.engine import llama as _llama  # noqa: F401  (first: the library load order, see serving/engine/llama.py)
     from measure.targets import EngineTarget, HttpTarget, llama_server
     from serving.engine.core import Engine
 
-    shape = (args.conversations, args.turns, args.history_tokens, args.answer_tokens, args.think_ms / 1000)
     results: dict[str, list[Turn]] = {}
     cache_mib = config.cache_ram_mib or 8192
     for name, mib in ((f"ours (cache_ram_mib {cache_mib})", cache_mib), ("ours, cache off", 0)):
@@ -234,14 +303,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     config = engine_config(args)
-    results = asyncio.run(measure_all(args, config))
+    shape = (args.conversations, args.turns, args.history_tokens, args.answer_tokens, args.think_ms / 1000)
+    routed: dict[str, dict[str, float]] = {}
+    if args.replicas is not None:
+        results, routed = asyncio.run(measure_serve(args, shape))
+    else:
+        results = asyncio.run(measure_all(args, config, shape))
     summaries = [summarize(name, turns) for name, turns in results.items()]
-    text = markdown(summaries, summaries[0].target)
+    text = markdown(summaries, summaries[0].target) + "".join(
+        f"\n{name}: requests routed by {', '.join(f'{by} {n:.0f}' for by, n in sorted(counts.items()))}\n"
+        for name, counts in routed.items() if counts)
     print(text)
     report = {**provenance(), "command": shlex.join(["python", "scripts/bench_conversations.py", *argv]),
               "config": config.to_yaml_dict(), "conversations": args.conversations, "turns": args.turns,
               "history_tokens": args.history_tokens, "answer_tokens": args.answer_tokens, "think_ms": args.think_ms,
-              "summary": [asdict(s) for s in summaries],
+              "replicas": args.replicas, "routed": routed, "summary": [asdict(s) for s in summaries],
               "turns_measured": {name: [asdict(t) for t in turns] for name, turns in results.items()}}
     write_report(args.out, report)
     args.out.with_suffix(".md").write_text(text, encoding="utf-8")

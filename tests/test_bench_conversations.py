@@ -55,3 +55,19 @@ def test_turns_go_round_robin_with_the_pause_asked_for_after_each_answer(bench, 
     assert [(t.conversation, t.turn) for t in turns] == [(1, 1), (2, 1), (1, 2), (2, 2)]
     assert " answer 1" in prompts[2] and " answer 2" in prompts[3] and " answer 1" not in prompts[3]
     assert pauses == ([think_s] * 4 if think_s else [])
+
+
+def test_a_summary_counts_the_returning_turns_that_prefilled_again_and_what_the_router_did(bench) -> None:  # noqa: ANN001
+    """The median of returning turns hides the few that prefilled their history again (a conversation sent to a
+    replica that never served it): the mean and the count show them; --replicas reports /metrics' routing."""
+    turns = [bench.Turn(1, 1, 100, 1000, 0, 10.0), bench.Turn(2, 1, 100, 1000, 0, 12.0),
+             bench.Turn(1, 2, 120, 1040, 1000, 0.5), bench.Turn(2, 2, 120, 1040, 1000, 0.7),
+             bench.Turn(1, 3, 140, 1080, 3, 11.0)]
+    summary = bench.summarize("t", turns)
+    assert summary.returning_ttft_s == 0.7 and summary.returning_missed == 1
+    assert abs(summary.returning_mean_ttft_s - 12.2 / 3) < 1e-9
+    text = ('llm_requests_routed_total{by="affinity",model="m",replica="a"} 3.0\n'
+            'llm_requests_routed_total{by="affinity",model="m",replica="b"} 2.0\n'
+            'llm_requests_routed_created{by="load",model="m",replica="a"} 1.7e9\n'
+            'llm_requests_routed_total{by="load",model="m",replica="a"} 1.0\n')
+    assert bench.routed_by(text) == {"affinity": 5.0, "load": 1.0}
