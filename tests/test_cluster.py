@@ -1,8 +1,9 @@
 """Beyond one machine: a Ray cluster of two nodes on this one (a head and a second raylet, each declaring one GPU,
 measure/cluster.py), and the app as a user runs it there: `serve run` of the shipped config with
 num_replicas=auto puts one engine replica on each node; /health and /slots see both; requests reach both; a
-missing model file is an error that names the node and the path; an in-place study runs over both; a node
-lost under load costs no hang and comes back with the current config."""
+missing model file is an error that names the node and the path; an in-place study runs over both, and one that
+loses a node ends cleanly on the other; a node lost under load costs no hang and comes back with the current
+config."""
 
 from __future__ import annotations
 
@@ -131,6 +132,47 @@ def test_the_in_place_study_runs_over_both_nodes_and_writes_the_pick_to_both(app
     assert "cannot read the GPU's memory size" not in result.stdout + result.stderr
     configs = {json.dumps(r["config"], sort_keys=True) for r in app.slots()["replicas"]}
     assert len(configs) == 1, "every replica serves the same config after the study"
+
+
+def test_a_node_lost_during_an_in_place_study_fails_its_trial_and_the_study_ends_cleanly(app: App, cluster: Any,
+                                                                                        tmp_path: Path) -> None:
+    """The worker's raylet killed while both replicas run trials: the trial on it fails, the study goes on with
+    the survivor and ends (the pick applied to the replica that serves), nothing hangs; the node back, its replica
+    serves what the other does."""
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"n_parallel": [1, 2], "n_batch": [128, 256], "n_ubatch": [128, 256],
+                                     "ctx_per_slot": [512], "type_k": ["f16"], "type_v": ["f16"],
+                                     "flash_attn": ["on"]}))
+    log = tmp_path / "tuner.log"
+    with log.open("wb") as out:
+        tuner = subprocess.Popen(
+            ["python", "-m", "tuning.search", "--in-place", "--trials", "6", "--app-name", "llama", "--space",
+             str(space), "--gen-tokens", "16", "--repeats", "1", "--min-ctx-per-slot", "512", "--confirm-rounds", "0",
+             "--results-dir", str(tmp_path), "--out", str(tmp_path / "tuned.yaml"), "--study-name", "lost",
+             "--workload", "benchmark"], cwd=REPO, env=cluster.env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while "the first trial held its replica" not in log.read_text() and time.monotonic() < deadline:
+            assert tuner.poll() is None, log.read_text()[-3000:]
+            time.sleep(1)
+        lost = cluster.nodes[-1]
+        cluster.kill_node(lost)  # both replicas take trials in turn: the worker's is in one, or about to be
+        code = tuner.wait(timeout=900)
+    finally:
+        if tuner.poll() is None:
+            tuner.kill()
+    output = log.read_text()
+    assert code == 0, output[-4000:]
+    assert "pick:" in output and "live apply: applied to 1 replica(s)" in output, output[-3000:]
+    report = (tmp_path / "lost" / "report.md").read_text()
+    assert "in place, on app 'llama'" in report
+    assert app.complete().status_code == 200  # the survivor serves, the pick
+    cluster.add_node(gpus=1, cpus=2)
+    app.wait(all_serving(2), "the replica back", 240)
+    configs = {json.dumps(r["config"], sort_keys=True) for r in app.slots()["replicas"]}
+    assert len(configs) == 1, "the replica that came back serves what the survivor serves"
+    failed = "the replica running this trial was lost" in report
+    print(f"node lost mid-study: tuner exited 0; a trial failed with its replica: {failed}")
 
 
 def test_a_node_lost_under_load_costs_no_hang_and_comes_back_with_the_current_config(app: App,
