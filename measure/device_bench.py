@@ -63,7 +63,8 @@ from measure.workload import Runner, Workload  # noqa: E402
 from serving.engine.config import EngineConfig, embedded_model_path, load_engine_config  # noqa: E402
 from serving.engine.devices import available_memory, visible_gpus  # noqa: E402
 from serving.engine.fit import budget_for, fit  # noqa: E402
-from serving.engine.memory import MiB, ModelShape, parse_bytes, predict  # noqa: E402
+from serving.engine.memory import MiB, ModelShape, predict  # noqa: E402
+from serving.engine.units import parse_bytes  # noqa: E402
 
 SINGLE, MULTI = 1, 4
 FIT = "llama-server --fit"

@@ -35,7 +35,7 @@ FIT = "llama-server --fit"
 GIB = 1024**3
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-from serving.engine.memory import parse_bytes  # noqa: E402
+from serving.engine.units import parse_bytes  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from serving.engine.config import AutoSetting, EngineConfig, load_engine_config
 from serving.engine.devices import DeviceMemory
 from serving.engine.fit import (AGENT_CTX, CELL_STEP, CPU_KV_CAP, FIT_MARGIN, DeviceKind, FitBudget, cpu_budget, fit,
                                 gpu_budget)
-from serving.engine.memory import GiB, MiB, ModelShape, kv_cache_bytes, predict
+from serving.engine.memory import ModelShape, kv_cache_bytes, predict
+from serving.engine.units import GiB, MiB
 from tests.helpers import script_module
 
 AUTO_ALL = {"n_gpu_layers": "auto", "n_ctx": "auto", "n_parallel": "auto"}

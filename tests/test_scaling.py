@@ -13,7 +13,8 @@ import pytest
 
 from serving.engine.config import EngineConfig, SplitMode
 from serving.engine.devices import DeviceMemory
-from serving.engine.memory import GPU_RUNTIME_OVERHEAD, GiB, MiB, MemoryEstimate
+from serving.engine.memory import GPU_RUNTIME_OVERHEAD, MemoryEstimate
+from serving.engine.units import GiB, MiB
 from tests.test_fit import dense
 
 

@@ -17,7 +17,8 @@ import yaml
 
 from serving.engine.config import (CacheType, CpuRepack, EngineConfig, FlashAttn, SpecMode, embedded_model_path,
                             load_engine_config)
-from serving.engine.memory import GPU_PROCESS_HOST_OVERHEAD, GiB, MiB, ModelShape, kv_cache_bytes, parse_bytes, predict
+from serving.engine.memory import GPU_PROCESS_HOST_OVERHEAD, ModelShape, kv_cache_bytes, predict
+from serving.engine.units import GiB, MiB, parse_bytes
 from tuning.report import TrialRow, best_curves, markdown, pareto_front, pick, plot_capacity, trial_table
 from tuning.results import TrialResult
 from tuning.space import SearchSpace, suggest, to_engine_config

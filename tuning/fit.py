@@ -17,7 +17,8 @@ from pathlib import Path
 
 from serving.engine.config import load_engine_config
 from serving.engine.fit import fewest_expert_layers, most_layers
-from serving.engine.memory import ModelShape, parse_bytes, predict
+from serving.engine.memory import ModelShape, predict
+from serving.engine.units import parse_bytes
 
 ARTICLE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "article.yaml"
 

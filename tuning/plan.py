@@ -18,7 +18,8 @@ from serving.engine.config import (AutoSetting, CacheType, EngineConfig, FlashAt
 from serving.engine.fit import DeviceKind, FitBudget, fit
 from tuning.errors import UserError
 from tuning.gpus import TrialSlots, free_gpu_places
-from serving.engine.memory import GiB, ModelShape, parse_bytes, predict
+from serving.engine.memory import ModelShape, predict
+from serving.engine.units import GiB, parse_bytes
 from serving.engine.model_store import HubModel, fetch, resolve
 from tuning.options import DeviceChoice, SearchOptions
 from tuning.serving_app import ServingApp

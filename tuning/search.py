@@ -31,7 +31,7 @@ from serving.engine.config import EngineConfig, load_engine_config  # noqa: E402
 from tuning.confirm import Confirmation, confirm_pick  # noqa: E402
 from tuning.errors import UserError  # noqa: E402
 from tuning.gpus import TrialSlots  # noqa: E402
-from serving.engine.memory import GiB  # noqa: E402
+from serving.engine.units import GiB  # noqa: E402
 from tuning.options import REPO_ROOT, Sampler, SearchOptions, Where, parse_options  # noqa: E402
 from tuning.plan import StudyPlan, base_config, study_plan  # noqa: E402
 from tuning.report import TrialRow  # noqa: E402

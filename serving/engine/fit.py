@@ -32,7 +32,8 @@ from enum import Enum
 
 from serving.engine.config import AutoSetting, EngineConfig, SplitMode
 from serving.engine.devices import DeviceMemory
-from serving.engine.memory import GiB, ModelShape, kv_cache_bytes, predict
+from serving.engine.memory import ModelShape, kv_cache_bytes, predict
+from serving.engine.units import GiB
 from serving.engine.split import equivalent_total, per_gpu, shares
 
 FIT_MARGIN = 1 * GiB  # left free on each GPU: llama-server's --fit-target default (1024 MiB)

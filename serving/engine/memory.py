@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from serving.engine.config import CacheType, EngineConfig, FlashAttn
+from serving.engine.units import MiB
 
-MiB = 1 << 20
-GiB = 1 << 30
 
 # bytes per element: quantised types store blocks of 32 values (llama.cpp's ggml block sizes)
 CACHE_TYPE_BYTES: dict[CacheType, float] = {
@@ -325,21 +324,3 @@ def _process_host(on_gpu: bool) -> int:
     """The engine process's own host memory beyond its tensors (once per process: a draft model adds none)."""
     return GPU_PROCESS_HOST_OVERHEAD if on_gpu else CPU_RUNTIME_OVERHEAD
 
-
-def parse_bytes(text: str) -> int:
-    """'32GiB', '16 GB', '900MiB', '123456' -> bytes (GiB/MiB binary, GB/MB decimal)."""
-    units = {"kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1, "": 1}
-    cleaned = text.strip().lower().replace(" ", "")
-    number = cleaned.rstrip("kmgtib")
-    unit = cleaned[len(number):]
-    error = ValueError(f"cannot read '{text}' as a size: write e.g. 32GiB, 16GB or 900MiB")
-    if unit not in units or not number:
-        raise error
-    try:
-        value = float(number)
-    except ValueError:
-        raise error from None
-    if not 0 < value < float("inf"):  # also refuses nan
-        raise error
-    return int(value * units[unit])
