@@ -27,6 +27,12 @@ Phases (see docs/robustness.md for what each one proves):
                 the second node's raylet SIGKILLed under --kill-clients load: the same criteria as kill (clean
                 errors, no hang), /health of that app `degraded` while the node is gone, the node started again,
                 and both replicas serving again within --recovery-bound-s with the config the other serves.
+* study-node-loss (opt-in too) the same cluster and app; an in-place study (python -m tuning.search --in-place,
+                --study-trials trials) runs over both replicas under 2-way client load, and the second node's
+                raylet is SIGKILLed after its first trial: the tuner exits 0 within --study-bound-s with the pick
+                applied to the surviving replica (a trial lost with the node fails, the study goes on), clients
+                see only clean errors (no hang), the survivor serves, and the node back, both replicas serve one
+                config.
 
 /health is polled every --health-interval-s by a thread: each answer must be 200 (a 500/503 is tolerated only
 while the replica is down in the kill phase) in under 1 s.
@@ -49,6 +55,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -61,6 +68,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
+import yaml  # noqa: E402
 
 from measure.cluster import ClusterApp, LocalCluster, all_serving  # noqa: E402
 from measure.loopback import APP_NAME, REPO_ROOT, LoopbackApp, parse_overrides  # noqa: E402
@@ -71,7 +79,11 @@ from measure.soak import (  # noqa: E402
 )
 
 PHASES = ("overload", "disconnects", "switch", "penalised", "kill")  # the default run
-OPT_IN_PHASES = ("node-loss",)
+OPT_IN_PHASES = ("node-loss", "study-node-loss")
+STUDY_SPACE = {"n_parallel": [1, 2], "n_batch": [128, 256], "n_ubatch": [128, 256], "ctx_per_slot": [512],
+               "type_k": ["f16"], "type_v": ["f16"], "flash_attn": ["on"]}  # small: a CPU trial is seconds
+FIRST_TRIAL = "the first trial held its replica"  # the tuner's line after its first measured trial
+LOST_TRIAL = "the replica running this trial was lost"  # tuning/inplace.py's words for it
 PROMPTS = [
     "Write one sentence about the sea.",
     "Name three colours.",
@@ -432,6 +444,75 @@ class Soak:
         if after != before:
             res.failures.append(f"the replica that came back serves another config: {after} vs {before}")
 
+    async def study_node_loss(self, res: PhaseResult) -> None:
+        a = self.args
+        cluster = await asyncio.to_thread(LocalCluster.start, 1, 2, 1)
+        work = Path(tempfile.mkdtemp(prefix="soak-study-"))
+        app = ClusterApp(cluster, work, {**self.app.app_args, "num_replicas": "auto", "cpus_per_replica": 0.5})
+        outcomes: list[Outcome] = []
+        try:
+            await asyncio.to_thread(app.wait, all_serving(2), "two replicas serving", a.recovery_bound_s + 180)
+            async with self.client(read_s=a.request_timeout_s) as http:
+                stop = asyncio.Event()
+                clients = [asyncio.create_task(self.load_loop(http, i, stop, outcomes, max_requests=2000,
+                                                              total_s=a.request_timeout_s, pause_on_error_s=1.0,
+                                                              base=app.url)) for i in range(2)]
+                try:
+                    t_kill, code, output, tuner_s = await self._study_losing_a_node(cluster, work)
+                    probe = await send(http, app.url, "completion", request_body("completion", "Count: 1 2 3", 8,
+                                                                                 False), total_s=60)
+                    await asyncio.to_thread(cluster.add_node, 1, 2)
+                    await asyncio.to_thread(app.wait, all_serving(2), "both replicas back", a.recovery_bound_s)
+                finally:
+                    stop.set()
+                    await asyncio.wait_for(asyncio.gather(*clients, return_exceptions=True),
+                                           a.request_timeout_s + 10)
+            configs = {json.dumps(r["config"], sort_keys=True) for r in (await asyncio.to_thread(app.slots))["replicas"]}
+        finally:
+            app.stop()
+            await asyncio.to_thread(cluster.stop)
+        report = work / "lost" / "report.md"
+        lost = report.read_text().count(LOST_TRIAL) if report.exists() else 0
+        shutil.rmtree(work, ignore_errors=True)
+        failures, seen = judge_kill(outcomes, t_kill)
+        res.stats = {**summarize(outcomes), **seen, "tuner_exit": code, "tuner_s": rounded(tuner_s, 1),
+                     "report_rows_lost_with_the_node": lost, "survivor_probe": probe.label}
+        res.failures += failures
+        if code != 0 or "live apply: applied to" not in output:
+            res.failures.append(f"the study did not end cleanly (exit {code}): {output[-1500:]}")
+        if not probe.ok:
+            res.failures.append(f"the surviving replica did not serve: {describe(probe)}")
+        if len(configs) != 1:
+            res.failures.append(f"the replicas serve different configs after the study: {configs}")
+
+    async def _study_losing_a_node(self, cluster: LocalCluster, work: Path) -> tuple[float, int | None, str, float]:
+        """The in-place study on the cluster's app, the second node's raylet killed after its first trial: the kill's
+        time, the tuner's exit code (None: it did not end within --study-bound-s, then killed), its output, and its
+        run time."""
+        a = self.args
+        (work / "space.yaml").write_text(yaml.safe_dump(STUDY_SPACE))
+        log = work / "tuner.log"
+        command = [sys.executable, "-m", "tuning.search", "--in-place", "--trials", str(a.study_trials), "--app-name",
+                   APP_NAME, "--space", str(work / "space.yaml"), "--gen-tokens", "16", "--repeats", "1",
+                   "--min-ctx-per-slot", "512", "--confirm-rounds", "0", "--results-dir", str(work), "--out",
+                   str(work / "tuned.yaml"), "--study-name", "lost", "--workload", "benchmark"]
+        t0 = time.monotonic()
+        with log.open("wb") as out:
+            tuner = subprocess.Popen(command, cwd=REPO_ROOT, env=cluster.env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while FIRST_TRIAL not in log.read_text() and tuner.poll() is None and time.monotonic() - t0 < a.study_bound_s:
+                await asyncio.sleep(1)
+            cluster.kill_node(cluster.nodes[-1])
+            t_kill = time.monotonic()
+            self.log("  SIGKILL the raylet of the second node after the study's first trial")
+            code: int | None = await asyncio.to_thread(tuner.wait, max(a.study_bound_s - (t_kill - t0), 1))
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            if tuner.poll() is None:
+                tuner.kill()
+        return t_kill, code, log.read_text(), time.monotonic() - t0
+
     # -- driver --------------------------------------------------------------------------------------------
     async def run_phase(self, name: str, fn: Callable[[PhaseResult], Awaitable[None]], criterion: str,
                         bound_s: float) -> PhaseResult:
@@ -480,6 +561,10 @@ class Soak:
             "node-loss": (self.node_loss, f"a node of two SIGKILLed under {a.kill_clients}-way load: clean HTTP "
                           "errors, no hang, /health degraded, both replicas back with the same config within "
                           f"{a.recovery_bound_s:.0f} s of the node's return", 2 * a.recovery_bound_s + 600),
+            "study-node-loss": (self.study_node_loss, "a node of two SIGKILLed during an in-place study under 2-way "
+                                "load: the tuner exits 0 with the pick applied to the survivor, clean HTTP errors, "
+                                "no hang, one config on both replicas once the node is back",
+                                a.study_bound_s + 2 * a.recovery_bound_s + 600),
         }
         results = []
         for name in phases:
@@ -577,6 +662,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-after-s", type=float, default=5.0, help="load kept on after recovery")
     p.add_argument("--kill-request-timeout-s", type=float, default=60.0)
     p.add_argument("--recovery-bound-s", type=float, default=120.0)
+    p.add_argument("--study-trials", type=int, default=6, help="study-node-loss: the in-place study's trials")
+    p.add_argument("--study-bound-s", type=float, default=900.0, help="study-node-loss: the study's bound")
     p.add_argument("--max-total-s", type=float, default=3600.0, help="the whole run's bound; then it exits")
     args = p.parse_args(argv)
     args.phase_list = [x.strip() for x in args.phases.split(",") if x.strip()]
