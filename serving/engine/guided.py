@@ -8,10 +8,12 @@ decodes; on a CPU the call returns when the decode is done, and the masks follow
 bit lookup and an advance; a refused token costs a pick from the mask, not a mask. vLLM v1 overlaps its grammar
 bitmasks with the forward pass for the same reason.
 
-Why not a worker thread (the design before, `MaskWorker`): each token then cost two handoffs between threads
-(wake the worker, wait for its mask) and the GIL twice. On the shared 2-core CPU (load 8-30) the step thread
-spent 1.0-1.9 ms a token in the handoff alone, waiting for a worker that had been descheduled, against 0.2 ms
-for the mask itself, and the worker's mask ran on a core the decode's threads were using
+Why not a worker thread (the design before, `MaskWorker`): each token then cost two hand-offs between threads
+(wake the worker, wait for its mask) and the GIL both ways. On the shared 2-core CPU under load 8-34 the step
+thread spent 0.95-1.86 ms a token handing off to a worker that could be descheduled, against ~0.2 ms for the mask
+itself; with a llama.cpp thread on every core (the default) the worker's mask takes one of the decode's cores
+anyway. Where a core is spare and the machine idle, the worker hid its mask and the step thread paid ~0.18 ms a
+guided token against ~0.30 ms now; end to end, old and new were level within the noise
 (docs/log/2026-12-07-cpu-forced-call-nested.md). A guided token earlier cost a check (15-21 us) and an advance
 (7-11 us) inline, and a refused one 200-400 us (a mask, then the best candidates one by one), against a token of
 ~1.15 ms for the embedded model on the H100 (docs/log/2026-12-05-h100-second-run.md).
