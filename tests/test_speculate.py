@@ -90,6 +90,26 @@ def test_stop_strings_and_max_tokens_inside_a_draft_end_where_plain_decoding_doe
 
 
 @pytest.mark.engine
+def test_a_forced_call_verifies_guesses_under_its_guide_and_answers_as_plain_decoding(pair) -> None:  # noqa: ANN001
+    """Guesses of a guided request are checked row by row, each row's mask computed when first asked for (only the
+    first row's is computed with the decode, serving/engine/guided.py): the forced call (nested arrays of
+    objects, its keys in the prompt for prompt lookup to find) is the one plain decoding gives."""
+    from measure.constrained import modes
+    from serving.openai.tools import messages_for_plain_template
+
+    plain, spec = pair
+    mode = modes()["tool_call_nested"]
+    messages = messages_for_plain_template([{"role": "user", "content": mode.text}], list(mode.tools))
+    prompt = plain.tokenize_prompt(plain.render_chat(messages))
+    params = SamplingParams(max_tokens=160, temperature=0.0, constraint=mode.guide)
+    before = spec.stats()["counters"]
+    a, b = collect(plain.submit(prompt, params)), collect(spec.submit(prompt, params))
+    assert (a.text, a.tokens, a.finish_reason) == (b.text, b.tokens, b.finish_reason)
+    assert b.text.startswith('<tool_call>\n{"name": "place_order", "arguments": {"customer": ')
+    assert spec.stats()["counters"]["spec_drafted"] > before.get("spec_drafted", 0)
+
+
+@pytest.mark.engine
 def test_rollback_leaves_the_cache_exactly_the_tokens_it_holds(pair: tuple[Engine, Engine]) -> None:
     """A follow-up that reuses the speculating slot's cache must answer as an engine with nothing cached."""
     from serving.engine.core import Engine
