@@ -44,7 +44,7 @@ class DueMasks:
 
 class Guided:
     """One request's guide and the mask of its next token: computed when its context's decode is launched
-    (`DueMasks`), else when first asked for (the first token of a guess verified in the same step)."""
+    (`DueMasks`), else when first asked for (a guess's later rows, verified in the same step)."""
 
     def __init__(self, guide: LLMatcher, n_vocab: int, due: DueMasks) -> None:
         self._guide, self._n_vocab, self._due = guide, n_vocab, due
