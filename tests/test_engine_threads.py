@@ -66,7 +66,7 @@ def test_a_command_that_times_out_before_it_starts_is_withdrawn(small: Engine) -
     collect(busy, allow=(FinishReason.cancelled,))
     assert collect(small.submit(small.tokenize_prompt("Hello"), SHORT)).tokens  # admission is back on
     time.sleep(0.2)
-    assert small.config == SMALL  # the withdrawn reconfigure never ran
+    assert small.requested == SMALL  # the withdrawn reconfigure never ran (config is SMALL as sized at load)
 
 
 def test_the_last_chunk_arrives_after_the_slot_is_free(small: Engine) -> None:
@@ -203,7 +203,7 @@ def test_a_failed_reconfigure_restores_the_old_config(small: Engine, monkeypatch
     contexts.fail.add(2048)
     with pytest.raises(EngineError):
         small.reconfigure(SMALL.model_copy(update={"n_ctx": 2048}))
-    assert small.config == SMALL and small.alive
+    assert small.requested == SMALL and small.alive
     assert collect(small.submit(small.tokenize_prompt("Hello"), SHORT)).tokens
 
 
@@ -229,7 +229,7 @@ def test_a_failed_reload_frees_the_new_weights(tmp_path: Path, monkeypatch: pyte
         with pytest.raises(EngineError):
             eng.reconfigure(SMALL.model_copy(update={"model": copy, "n_ctx": 2048}))
         assert freed == [SMALL.model_path, copy]  # old weights out first, then the new ones after the failure
-        assert eng.config == SMALL and eng.weight_loads == 3
+        assert eng.requested == SMALL and eng.weight_loads == 3
         assert collect(eng.submit(eng.tokenize_prompt("Hello"), SHORT)).tokens
     finally:
         eng.close()
@@ -243,7 +243,7 @@ def test_when_even_the_old_config_cannot_be_restored_the_engine_stops_cleanly(
     tokens = eng.tokenize_prompt("Count to a thousand:")
     contexts = _FailingContexts(monkeypatch)
     contexts.fail.update({2048, SMALL.n_ctx})
-    running = eng.submit(tokens, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    running = eng.submit(tokens, LONG)  # long enough to outlast the reconfigure's sizing (a GGUF header read)
     wait_for(lambda: eng.stats()["slots_busy"] == 1)  # running before the reconfigure asks for a drain
     errors: list[BaseException] = []
 
