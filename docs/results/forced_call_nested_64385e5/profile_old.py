@@ -3,7 +3,7 @@ microseconds per generated token (the worker's mask is on its own thread, beside
 
     git show 9c47bf4:serving/engine/guided.py > /tmp/old_guided.py
     LLAMA_SERVE_TUNE_THREADS=1 python docs/results/forced_call_nested_64385e5/profile_old.py \
-        8 out.json /tmp/old_guided.py
+        8 out.json /tmp/old_guided.py [TEMPERATURE]
 """
 
 import sys
@@ -77,6 +77,7 @@ wrap(llama.LlamaContext, "greedy_no_eog", "twin greedy (EOS banned)")
 wrap(llama.LlamaContext, "decode", "decode call")
 llama.Guided = Timed
 R = int(sys.argv[1])
+T = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0  # temperature
 engine = Engine(EngineConfig(n_parallel=1, n_ctx=2048, seed=1, cache_ram_mib=0))
 engine._ctx.masks = OldMasks()
 table = {m: modes()[m] for m in ("json_schema_nested", "tool_call_nested")}
@@ -87,9 +88,9 @@ for r in range(R + 1):
         for kind in ("constrained", "twin"):
             spent.clear()
             if kind == "constrained":
-                n = run(engine, mode.text, mode.guide, mode.tools, r + 1, 160)["tokens"]
+                n = run(engine, mode.text, mode.guide, mode.tools, r + 1, 160, temperature=T)["tokens"]
             else:
-                run(engine, mode.text, None, mode.tools, r + 1, n, ignore_eos=True)
+                run(engine, mode.text, None, mode.tools, r + 1, n, ignore_eos=True, temperature=T)
             if r == 0:
                 continue
             d = acc.setdefault(f"{name} {kind}", {})
@@ -100,4 +101,4 @@ engine._ctx.masks.close()
 engine.close()
 out = {key: {k: round(1e6 * v / toks[key], 1) for k, v in sorted(d.items())} for key, d in acc.items()}
 print(json.dumps(out, indent=1))
-open(sys.argv[2], "w").write(json.dumps({"rounds": R, "us_per_token": out, "tokens": toks}, indent=1))
+open(sys.argv[2], "w").write(json.dumps({"rounds": R, "temperature": T, "us_per_token": out, "tokens": toks}, indent=1))
