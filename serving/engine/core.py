@@ -254,8 +254,9 @@ class Engine:
         Blocks until done; raises EngineError (and keeps the old config running) if the new one fails.
         Settings left `auto` are sized again, within the memory the engine found when it first sized one.
         """
-        sized = self._sized(config)
-        self._when_drained(lambda: self._rebuild(sized), timeout)
+        # sized on the step thread once drained: sizing reads the GGUF header (a second on a loaded CPU), and a
+        # prompt queued for the old slots must not take one meanwhile that the new config cannot hold
+        self._when_drained(lambda: self._rebuild(self._sized(config)), timeout)
         self.requested = config
 
     def score(self, tokens: list[int], timeout: float | None = None) -> float:
