@@ -150,7 +150,7 @@ def test_unknown_flag_value_is_an_argparse_error(capsys: pytest.CaptureFixture) 
     (["--model", "/nonexistent.gguf"], "/nonexistent.gguf does not exist"),
     (["--device", "gpu"], "has no GPU"),
     (["--vram-budget", "lots"], "cannot read 'lots' as a size"),
-    (["--min-ctx-per-slot", "100000"], "no ctx_per_slot value"),
+    (["--min-ctx-per-slot", "100000"], "over the model's trained context of 8192"),
 ], ids=["impossible-budget", "no-model", "no-gpu", "bad-size", "min-ctx-too-big"])
 def test_bad_input_returns_2_with_a_clear_message(ray_session: None, tmp_path: Path, capsys: pytest.CaptureFixture,
                                                   extra: list[str], message: str) -> None:

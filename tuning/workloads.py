@@ -98,10 +98,15 @@ def least_context(opts: SearchOptions, shape: ModelShape, traffic: TrafficPlan |
     """Tokens every slot must hold: --min-ctx-per-slot, else min(2048, the model's training context) raised to
     the workload's largest request (a config with less would fail it). An explicit value below that is kept,
     with a warning: those configs fail some requests, and the SLO counts them. So is a request longer than the
-    model was trained for: the least is then the trained length, and the study runs."""
+    model was trained for: the least is then the trained length, and the study runs. An explicit value over the
+    trained length is the user's error (UserError): it is asked for, not recorded."""
     default = min(2048, shape.n_ctx_train or 2048)
     need = traffic.workload.max_context if traffic is not None else 0
     if opts.min_ctx_per_slot is not None:
+        if shape.n_ctx_train and opts.min_ctx_per_slot > shape.n_ctx_train:  # asked for, not recorded: the user's
+            raise UserError(f"--min-ctx-per-slot {opts.min_ctx_per_slot} is over the model's trained context of "
+                            f"{shape.n_ctx_train} tokens: no config can hold it well; ask for at most "
+                            f"{shape.n_ctx_train}")
         if opts.min_ctx_per_slot < need:
             print(f"warning: --min-ctx-per-slot {opts.min_ctx_per_slot} is below the {need} tokens the workload's "
                   "largest request needs: configs with less context per slot fail it", file=sys.stderr)
