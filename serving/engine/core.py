@@ -83,7 +83,7 @@ class Engine:
     """A continuous-batching llama.cpp engine: submit prompts from any thread, read chunks back.
 
     One step thread owns the llama.cpp context; every step is one llama_decode for all busy slots. The
-    same class serves HTTP (serving/app.py), runs the benchmarks, and is what the tuner measures.
+    same class serves HTTP (serving/replica/server.py), runs the benchmarks, and is what the tuner measures.
     `max_queued` bounds the requests waiting for a slot (None: unbounded); beyond it `submit` raises
     QueueFullError at once, which is the server's admission control. `traffic_limit` is how many finished
     client requests' shapes the traffic record keeps.

@@ -49,7 +49,7 @@ LIVE_STATES = ("STARTING", "UPDATING", "RECOVERING", "RUNNING", "PENDING_MIGRATI
 
 @dataclass(frozen=True)
 class HealthReport:
-    """An engine replica's answer to /health (serving/app.py's LlamaServer.health_report)."""
+    """An engine replica's answer to /health (serving/replica/server.py's LlamaServer.health_report)."""
 
     status: int
     body: dict[str, Any]

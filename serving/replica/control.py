@@ -24,7 +24,7 @@ from serving.engine.config import EngineConfig
 log = logging.getLogger(__name__)
 
 CHANNEL_NAME = "ConfigChannel"
-DEPLOYMENT_NAME = "LlamaServer"  # the engine replicas' deployment (serving/app.py), named here for tuning/
+DEPLOYMENT_NAME = "LlamaServer"  # the engine replicas' deployment (serving/replica/server.py), named for tuning/
 
 
 @dataclass(frozen=True)
