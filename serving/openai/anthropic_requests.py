@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 
 from serving.engine.request import Constraint, SamplingParams
 from serving.front.errors import APIError
-from serving.openai.requests import INT32_MAX, MAX_STOP_STRINGS, NO_EFFECT_FIELDS, StopString, Text
+from serving.openai.requests import INT32_MAX, MAX_STOP_STRINGS, NO_EFFECT_FIELDS, RequestBody, StopString, Text
 
 ANTHROPIC_NO_EFFECT = NO_EFFECT_FIELDS | {  # accepted: they never change what is generated
     "cache_control", "inference_geo", "speed", "diagnostics", "user_profile_id", "workspace_id",
@@ -177,12 +177,12 @@ class OutputConfig(BaseModel):
     format: OutputFormat | None = None
 
 
-class MessagesBody(BaseModel):
-    """What /v1/messages and its count_tokens share: the conversation, its tools and how it is rendered."""
+class MessagesBody(RequestBody):
+    """What /v1/messages and its count_tokens share: the conversation, its tools and how it is rendered. A JSON
+    object whose fields this server does not implement are reported (RequestBody), with Anthropic's own
+    do-nothing fields."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     NO_EFFECT: ClassVar[frozenset[str]] = ANTHROPIC_NO_EFFECT
-    IDLE: ClassVar[tuple[Any, ...]] = (None, False, 0, [], {})  # values that ask for nothing
 
     model: Text | None = Field(None, description="any name: this server answers with the one model it serves")
     messages: list[InputMessage] = Field(..., min_length=1)
@@ -191,18 +191,6 @@ class MessagesBody(BaseModel):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _body_is_an_object(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            raise ValueError("the request body must be a JSON object")
-        return data
-
-    def unsupported_fields(self) -> list[str]:
-        """Fields sent that this server does not implement (mcp_servers, container, context_management, ...)."""
-        extra = self.model_extra or {}
-        return sorted(k for k, v in extra.items() if k not in self.NO_EFFECT and v not in self.IDLE)
 
     def template_kwargs(self) -> dict[str, Any]:
         """`thinking` as the variable Qwen3-style templates read; unset leaves the template's default."""

@@ -115,7 +115,7 @@ class MessageToolCall(BaseModel):
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
 
 
-class _RequestBody(BaseModel):
+class RequestBody(BaseModel):
     """A request body: a JSON object; fields this server does not implement are reported, never ignored."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -135,7 +135,7 @@ class _RequestBody(BaseModel):
         return sorted(k for k, v in extra.items() if k not in self.NO_EFFECT and v not in self.IDLE)
 
 
-class _SamplingFields(_RequestBody):
+class _SamplingFields(RequestBody):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's plus llama-server's extensions)."""
 
     model: Text | None = None
@@ -321,7 +321,7 @@ class ResponsesText(BaseModel):
     format: ResponsesTextFormat | None = None
 
 
-class ResponsesRequest(_RequestBody):
+class ResponsesRequest(RequestBody):
     """OpenAI's /v1/responses for plain text in and out: `input` as text or messages, `instructions`."""
 
     NO_EFFECT: ClassVar[frozenset[str]] = NO_EFFECT_FIELDS | {"reasoning", "tool_choice", "tools", "include"}
