@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -162,6 +163,19 @@ def assert_generated(body: dict[str, Any]) -> dict[str, Any]:
     reason = body["choices"][0]["finish_reason"]
     assert reason in FINISHED, f"finish_reason {reason!r}: {body}"
     return body
+
+
+def routed_counts(base: str) -> dict[tuple[str, str], float]:
+    """llm_requests_routed from the app's /metrics (every replica's), by (why, replica)."""
+    import httpx
+
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("llm_requests_routed_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            counts[(labels["by"], labels["replica"])] = float(line.rsplit(" ", 1)[1])
+    return counts
 
 
 def assert_stream_finished(events: list[dict[str, Any]]) -> str:

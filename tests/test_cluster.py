@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from measure.cluster import ClusterApp, all_serving
+from tests.conftest import assert_generated, routed_counts
 
 pytestmark = pytest.mark.cluster
 
@@ -86,6 +87,36 @@ def test_metrics_show_every_replica(app: App) -> None:
     assert all(f'replica="{r}"' in text for r in replicas), replicas
     for family in ("llm_generated_tokens_total", "llm_requests_total"):  # each family's HELP and TYPE once
         assert text.count(f"# HELP {family} ") == 1 and text.count(f"# TYPE {family} ") == 1, family
+
+def test_a_returning_conversation_goes_back_to_its_replica_across_nodes(app: App) -> None:
+    """Prefix affinity (serving/replica/routing.py) with the two replicas on two nodes: four conversations take
+    turns, one request at a time; first turns spread by load, every returning turn goes by affinity to the node
+    that served its first turn and finds its history cached there. By chance alone all four would land there
+    one time in sixteen."""
+    before = routed_counts(app.url)
+    texts = {c: f"Conversation {c}. " + " ".join(f"item {c * 100 + i} is a river" for i in range(30))
+             for c in range(4)}
+    usage: dict[tuple[int, int], dict[str, Any]] = {}
+    with httpx.Client(timeout=120) as http:
+        for turn in (1, 2):
+            for c, text in texts.items():
+                texts[c] = text + f"\nQuestion {turn}: which item comes first?\nAnswer:"
+                r = http.post(f"{app.url}/v1/completions", json={"prompt": texts[c], "max_tokens": 8,
+                                                                 "ignore_eos": True, "temperature": 0})
+                assert r.status_code == 200, r.text
+                body = assert_generated(r.json())
+                texts[c] += body["choices"][0]["text"]
+                usage[(c, turn)] = body["usage"]
+    grew = {key: n - before.get(key, 0) for key, n in routed_counts(app.url).items() if n > before.get(key, 0)}
+    by = {why: sum(n for (w, _), n in grew.items() if w == why) for why in ("affinity", "load", "imbalance",
+                                                                          "overflow")}
+    print(f"routed: {grew}")
+    assert by == {"affinity": 4, "load": 4, "imbalance": 0, "overflow": 0}, grew
+    assert sorted(n for (w, _), n in grew.items() if w == "load") == [2, 2]  # new conversations spread
+    for c in texts:
+        first, back = usage[(c, 1)], usage[(c, 2)]
+        assert back["prompt_tokens_details"]["cached_tokens"] >= 0.9 * first["prompt_tokens"], (c, first, back)
+
 
 def test_serve_deploy_of_the_shipped_config_updates_both_replicas_in_place(app: App, cluster: Any,
                                                                             tmp_path: Path) -> None:

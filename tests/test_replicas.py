@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from serving.engine.config import EngineConfig
-from tests.conftest import assert_generated
+from tests.conftest import assert_generated, routed_counts
 
 APP = "two"
 RECOVERY_S = 120.0
@@ -463,19 +463,6 @@ def test_a_trial_on_one_replica_sends_the_clients_to_the_other(two: str, tmp_pat
                 for k in before}
     (free,) = set(before) - {busy}
     assert finished == {busy: 0, free: 6}, finished
-
-
-def routed_counts(base: str) -> dict[tuple[str, str], float]:
-    """llm_requests_routed from the app's /metrics (every replica's), by (why, replica)."""
-    import re
-
-    text = httpx.get(f"{base}/metrics", timeout=60).text
-    counts = {}
-    for line in text.splitlines():
-        if line.startswith("llm_requests_routed_total{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-            counts[(labels["by"], labels["replica"])] = float(line.rsplit(" ", 1)[1])
-    return counts
 
 
 @pytest.mark.serve
