@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from measure.targets import HttpTarget, free_loopback_port
+from measure.targets import HttpTarget, Tokenizer, free_loopback_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 APP_NAME = "llama"
@@ -105,10 +105,12 @@ def _with_env(app: Any, env: dict[str, str]) -> Any:
 
 @asynccontextmanager
 async def deployed(port: int, args: dict[str, Any], load_timeout_s: float, request_timeout_s: float,
-                   name: str = APP_NAME, env: dict[str, str] | None = None) -> AsyncIterator[HttpTarget]:
+                   name: str = APP_NAME, env: dict[str, str] | None = None, tokenizer: Tokenizer | None = None
+                   ) -> AsyncIterator[HttpTarget]:
     """The app built from `args` (`serve run serving.app:main KEY=VALUE` words, over configs/default.yaml)
     deployed as `name` under the route prefix /`name` (`/` for the default name), with `env` in its replicas'
-    environment; an HttpTarget named `name` once its /health says 200; the app deleted afterwards."""
+    environment; an HttpTarget named `name` (with `tokenizer` for token-id prompts) once its /health says 200;
+    the app deleted afterwards."""
     from ray import serve
 
     from serving.app import AppArgs, main as build_app
@@ -121,7 +123,7 @@ async def deployed(port: int, args: dict[str, Any], load_timeout_s: float, reque
     try:
         await asyncio.to_thread(serve.run, app, name=name, route_prefix=prefix)
         await wait_healthy(base, load_timeout_s, name)
-        target = HttpTarget(name, f"{base}/v1", request_timeout_s)
+        target = HttpTarget(name, f"{base}/v1", request_timeout_s, tokenizer)
         await target.preflight()
         target.extra = {"served_config": await served_config(base), "env": env or {}}
         yield target

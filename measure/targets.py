@@ -16,7 +16,7 @@ import tempfile
 import time
 import uuid
 import urllib.parse
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # imported where an engine is built: the HTTP and llama-serve
 MAX_CONNECTIONS = 64
 LOOPBACK_NAMES = ("localhost",)
 REPACK_FLAGS = ("--repack", "--no-repack", "-nr")
+Tokenizer = Callable[[str], list[int]]
 FORBIDDEN_SERVER_ARGS = ("--host", "--port", "-m", "--model", "-hf", "--hf-repo", "--api-key")
 
 
@@ -123,6 +124,19 @@ def loaded_engine(config: EngineConfig, name: str = "in-process", text_only: boo
         engine.close()
 
 
+@contextlib.contextmanager
+def vocabulary(model: Path) -> Iterator[Tokenizer]:
+    """The model's vocabulary read alone (no weights), as a tokenizer for HttpTarget: one for every target of a
+    benchmark, giving what EngineTarget.tokenize gives (no BOS, specials as text)."""
+    from serving.engine.llama import Vocabulary
+
+    vocab = Vocabulary(model)
+    try:
+        yield vocab.tokenize
+    finally:
+        vocab.free()
+
+
 def check_loopback_url(url: str) -> str:
     """The URL without a trailing slash; anything but a loopback http(s) URL is refused."""
     parsed = urllib.parse.urlparse(url)
@@ -143,7 +157,8 @@ class HttpTarget:
     /completions (tokenised like the in-process target), a chat prompt to /chat/completions. Make it inside
     the event loop that uses it (its connection pool belongs to that loop)."""
 
-    def __init__(self, name: str, base_url: str, request_timeout_s: float = 300.0) -> None:
+    def __init__(self, name: str, base_url: str, request_timeout_s: float = 300.0,
+                 tokenizer: Tokenizer | None = None) -> None:
         import httpx
 
         self.name = name
@@ -151,6 +166,7 @@ class HttpTarget:
         self.model_name = "default"
         self.fingerprint: str | None = None
         self.extra: dict[str, Any] = {}
+        self.tokenizer = tokenizer  # token-id prompts (run_tokens) are built with it: `vocabulary`
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=5.0), trust_env=False,
             limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS))
@@ -178,6 +194,30 @@ class HttpTarget:
     async def run_stream(self, prompt: Prompt, max_tokens: int, ignore_eos: bool) -> StreamRecord:
         """POST one streaming request and timestamp every SSE event as it arrives."""
         path, body = self._body(prompt, max_tokens, ignore_eos)
+        return await self._post(path, body, prompt.chat)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text as the model's token ids, no BOS (pieces of a replayed prompt: measure/replay.py), read from the
+        model's vocabulary here rather than asked of the server, so every server gets the same ids."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.name}: token-id prompts need the model's vocabulary (measure/targets.py "
+                             "`vocabulary`)")
+        return self.tokenizer(text)
+
+    async def run_tokens(self, tokens: list[int], max_tokens: int, temperature: float, n: int) -> StreamRecord:
+        """A replayed request (measure/replay.py's TokenTarget): the token ids as /completions' prompt (our
+        server and llama-server both take them), `max_tokens` with EOS ignored (a replay asks the recorded
+        output length). One choice only: llama-server's /completions takes no `n`, and Mooncake traces have none."""
+        if n != 1:
+            raise ValueError(f"{self.name}: a replay over HTTP sends one choice a request, not n={n}")
+        body: dict[str, Any] = {"model": self.model_name, "prompt": tokens, "max_tokens": max_tokens,
+                                "temperature": temperature, "ignore_eos": True, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if temperature > 0:
+            body["seed"] = 1  # as EngineTarget.run_tokens: the same draw on every target
+        return await self._post("/completions", body, chat=False)
+
+    async def _post(self, path: str, body: dict[str, Any], chat: bool) -> StreamRecord:
         rid = uuid.uuid4().hex  # the server's logs and stamps (serving/front/http.py) name the request by it
         record = StreamRecord(t_start=time.perf_counter(), request_id=rid)
 
@@ -193,11 +233,11 @@ class HttpTarget:
             decoder = SSEDecoder()
             async for line in resp.aiter_lines():
                 data = decoder.feed(line)
-                if data is not None and not self._absorb(data, prompt.chat, record):
+                if data is not None and not self._absorb(data, chat, record):
                     break
             tail = decoder.flush()
             if tail is not None:
-                self._absorb(tail, prompt.chat, record)
+                self._absorb(tail, chat, record)
         record.t_end = time.perf_counter()
         self.fingerprint = record.fingerprint or self.fingerprint
         return record
@@ -318,8 +358,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 @contextlib.asynccontextmanager
 async def llama_server(binary: str, model: Path, server_args: Sequence[str], start_timeout_s: float = 180.0,
-                       request_timeout_s: float = 300.0) -> AsyncIterator[HttpTarget]:
-    """llama-server on a free loopback port: wait for /health, yield an HttpTarget, always stop it."""
+                       request_timeout_s: float = 300.0, tokenizer: Tokenizer | None = None
+                       ) -> AsyncIterator[HttpTarget]:
+    """llama-server on a free loopback port: wait for /health, yield an HttpTarget (with `tokenizer` for
+    token-id prompts), always stop it."""
     check_server_args(server_args)
     port = free_loopback_port()
     cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *server_args]
@@ -331,7 +373,7 @@ async def llama_server(binary: str, model: Path, server_args: Sequence[str], sta
     try:
         base = f"http://127.0.0.1:{port}"
         await _wait_healthy(proc, base, start_timeout_s, log)
-        target = HttpTarget("llama-server", f"{base}/v1", request_timeout_s)
+        target = HttpTarget("llama-server", f"{base}/v1", request_timeout_s, tokenizer)
         await target.preflight()
         target.extra = {"binary": str(Path(binary).resolve()), "server_args": list(server_args),
                         "command": shlex.join(cmd), "log": str(log), "version": llama_server_version(binary),

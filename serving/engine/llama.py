@@ -135,6 +135,42 @@ ll.llama_log_set(_route_log, ctypes.c_void_p())
 ll.llama_backend_init()
 
 
+class Vocabulary:
+    """A GGUF's vocabulary alone (`vocab_only`: no weights read), to tokenise text as the model does where no
+    engine is loaded: a benchmark's client builds token-id prompts for servers in other processes with it."""
+
+    def __init__(self, path: Path) -> None:
+        if not path.is_file():
+            raise EngineError(f"model file {path} does not exist")
+        params = ll.llama_model_default_params()
+        params.vocab_only = True
+        self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            raise EngineError(f"llama.cpp could not read the vocabulary of {path}")
+        self.vocab = ll.llama_model_get_vocab(self.ptr)
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        """Text as token ids (default: no BOS, specials as text: pieces of a prompt)."""
+        return _tokenize(self.vocab, text, add_special, parse_special)
+
+    def free(self) -> None:
+        if self.ptr:
+            ll.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+def _tokenize(vocab: ll.llama_vocab_p, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    data = text.encode("utf-8")
+    cap = len(data) + 8
+    buf = (ll.llama_token * cap)()
+    n = ll.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    if n < 0:
+        cap = -n
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    return list(buf[:n])
+
+
 class LlamaModel:
     """Weights and vocabulary of one GGUF file, loaded once; thread-safe to tokenise from any thread.
 
@@ -198,15 +234,7 @@ class LlamaModel:
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Tokenise as llama-server does for a prompt (BOS where the vocabulary wants one, specials parsed)."""
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (ll.llama_token * cap)()
-        n = ll.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (ll.llama_token * cap)()
-            n = ll.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        return list(buf[:n])
+        return _tokenize(self.vocab, text, add_special, parse_special)
 
     def token_bytes(self, token: int) -> bytes:
         """A token's raw bytes (may be part of a UTF-8 character); control tokens render as nothing."""
