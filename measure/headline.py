@@ -9,7 +9,8 @@ Targets (each an OpenAI-compatible server over HTTP, fed the same token-id promp
 - `article`: llama-server with the article's flags (ARTICLE_ARGS, or `--article-args`), `--fit-target` too under
   a budget;
 - `ours` (`--ours [NAME=]CONFIG`, repeat: one per trace's pick): our Serve app as `serve run serving.app:main
-  config=CONFIG model=MODEL` builds it (measure/serve_app.py), or `--ours-url [NAME=]URL` of one already running.
+  config=CONFIG model=MODEL` builds it (measure/serve_app.py), or `--ours-url [NAME=]URL` of one already running;
+  one named like a trace (`--ours chat=tuned_chat.yaml`) is that trace's pick and replays that trace alone.
 
 Each trace (`--trace NAME=FILE`, Mooncake JSONL: measure/traces.py writes synthetic ones) is replayed open loop at
 its timestamps divided by `--rate-scale`, every replay with a salt of its own (measure/replay.py), on every
@@ -90,17 +91,23 @@ class Start(str, Enum):
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """One target: llama-server with `server_args`, our app with `config`, or the server at `url`."""
+    """One target: llama-server with `server_args`, our app with `config`, or the server at `url`; it replays
+    `only` those traces where that is set (a trace's own pick), else every trace."""
 
     name: str
     kind: Kind
     server_args: tuple[str, ...] = ()
     config: Path | None = None
     url: str | None = None
+    only: tuple[str, ...] = ()
+
+    def replays(self, trace: str) -> bool:
+        return not self.only or trace in self.only
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "server_args": list(self.server_args),
-                "config": None if self.config is None else str(self.config), "url": self.url}
+                "config": None if self.config is None else str(self.config), "url": self.url,
+                "traces": list(self.only) or "all"}
 
 
 @dataclass(frozen=True)
@@ -127,13 +134,13 @@ class Failure:
 # -- the command line ---------------------------------------------------------------------------------------
 
 def named_or_plain(text: str, flag: str) -> tuple[str, str]:
-    """`NAME=VALUE` or a bare VALUE (named `ours`); the name becomes `ours-NAME`."""
+    """`NAME=VALUE` or a bare VALUE (the name is then empty)."""
     name, sep, value = text.partition("=")
     if not sep:
-        return Kind.ours.value, text.strip()
+        return "", text.strip()
     if not name.strip() or not value.strip():
         raise argparse.ArgumentTypeError(f"{flag}: expected [NAME=]VALUE, got {text!r}")
-    return f"{Kind.ours.value}-{name.strip()}", value.strip()
+    return name.strip(), value.strip()
 
 
 def ours_config(text: str) -> tuple[str, str]:
@@ -213,7 +220,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not args.trace:
         p.error("give at least one --trace NAME=FILE")
     for flag, names in (("--trace", [n for n, _ in args.trace]),
-                        ("--ours/--ours-url", [n for n, _ in [*args.ours, *args.ours_url]])):
+                        ("--ours/--ours-url", [ours_name(n) for n, _ in [*args.ours, *args.ours_url]])):
         if duplicated := sorted({n for n in names if names.count(n) > 1}):
             p.error(f"{flag}: the name(s) {', '.join(duplicated)} are given twice")
     try:
@@ -239,11 +246,25 @@ def target_specs(args: argparse.Namespace) -> list[TargetSpec]:
         if not args.ours and not args.ours_url:
             raise ValueError("--targets has ours: give --ours CONFIG or --ours-url URL, or leave ours out of "
                              "--targets")
-        specs += [TargetSpec(name, Kind.ours, config=Path(path)) for name, path in args.ours]
-        specs += [TargetSpec(name, Kind.ours, url=url) for name, url in args.ours_url]
+        traces = {name for name, _ in args.trace}
+        specs += [TargetSpec(ours_name(name), Kind.ours, config=Path(path), only=_own(name, traces))
+                  for name, path in args.ours]
+        specs += [TargetSpec(ours_name(name), Kind.ours, url=url, only=_own(name, traces))
+                  for name, url in args.ours_url]
     if not specs:
         raise ValueError("--targets: no target left to run")
     return specs
+
+
+def ours_name(name: str) -> str:
+    """What the tables call an `--ours [NAME=]...` target: ours, or ours-NAME."""
+    return f"{Kind.ours.value}-{name}" if name else Kind.ours.value
+
+
+def _own(name: str, traces: set[str]) -> tuple[str, ...]:
+    """The traces a named pick replays: its own trace where it is named like one (the tuner's pick for it), else
+    every trace."""
+    return (name,) if name in traces else ()
 
 
 def load_traces(named: Sequence[tuple[str, Path]], requests: int | None, rate_scale: float
@@ -394,19 +415,20 @@ class Bench:
             f"{figures.slo.describe()} ({time.perf_counter() - t0:.1f} s)")
         return Run(round_, trace, target.name, self.salts, figures)
 
-    async def warm(self, target: HttpTarget) -> None:
-        """The first requests of every trace once, not counted: a fresh server's first requests pay its
+    async def warm(self, spec: TargetSpec, target: HttpTarget) -> None:
+        """The first requests of each of its traces once, not counted: a fresh server's first requests pay its
         warm-up (allocations, graphs), which is no part of serving."""
-        self.started.setdefault(target.name, target.describe())
+        self.started.setdefault(spec.name, target.describe())
         if not self.warmup_requests:
             return
         for name, workload in self.traces.items():
-            if run := await self.replay(target, -1, name, workload.taking(self.warmup_requests)):
+            if spec.replays(name) and (run := await self.replay(target, -1, name,
+                                                                workload.taking(self.warmup_requests))):
                 self.warmups.append(run)
 
-    async def measure(self, target: HttpTarget, round_: int) -> None:
+    async def measure(self, spec: TargetSpec, target: HttpTarget, round_: int) -> None:
         for name, workload in self.traces.items():
-            if run := await self.replay(target, round_, name, workload):
+            if spec.replays(name) and (run := await self.replay(target, round_, name, workload)):
                 self.runs.append(run)
 
     def start_failed(self, round_: int, spec: TargetSpec, exc: BaseException) -> None:
@@ -426,8 +448,8 @@ async def run_per_round(bench: Bench, launcher: Launcher, specs: Sequence[Target
             say(f"round {r + 1}/{rounds}: starting {spec.name}")
             try:
                 async with launcher.open(spec) as target:
-                    await bench.warm(target)
-                    await bench.measure(target, r)
+                    await bench.warm(spec, target)
+                    await bench.measure(spec, target, r)
             except Exception as exc:  # noqa: BLE001 (a target that failed: reported, the rest still runs)
                 bench.start_failed(r, spec, exc)
 
@@ -435,18 +457,18 @@ async def run_per_round(bench: Bench, launcher: Launcher, specs: Sequence[Target
 async def run_once(bench: Bench, launcher: Launcher, specs: Sequence[TargetSpec], rounds: int) -> None:
     """Every target started once and living through the rounds, replayed on in an order rotated by the round."""
     async with contextlib.AsyncExitStack() as stack:
-        live: list[HttpTarget] = []
+        live: list[tuple[TargetSpec, HttpTarget]] = []
         for spec in specs:
             say(f"starting {spec.name}")
             try:
                 target = await stack.enter_async_context(launcher.open(spec))
-                await bench.warm(target)
-                live.append(target)
+                await bench.warm(spec, target)
+                live.append((spec, target))
             except Exception as exc:  # noqa: BLE001 (a target that failed: reported, the rest still runs)
                 bench.start_failed(0, spec, exc)
         for r in range(rounds):
-            for target in rotated(live, r):
-                await bench.measure(target, r)
+            for spec, target in rotated(live, r):
+                await bench.measure(spec, target, r)
 
 
 def gpu_memory() -> tuple[int, int, int] | None:
@@ -583,9 +605,14 @@ def servers_table(started: Mapping[str, Mapping[str, Any]], specs: Sequence[Targ
     return "\n".join(lines) + "\n"
 
 
+def summary(bench: Bench, specs: Sequence[TargetSpec], traces: Sequence[str]) -> dict[str, list[Row]]:
+    """Per trace, the rows of the targets that replay it."""
+    return {t: trace_rows(bench.runs, bench.failures, t, [s.name for s in specs if s.replays(t)]) for t in traces}
+
+
 def markdown(bench: Bench, specs: Sequence[TargetSpec], describes: Mapping[str, str], slo: str) -> str:
-    names = [s.name for s in specs]
-    parts = [trace_table(t, describes[t], trace_rows(bench.runs, bench.failures, t, names), slo) for t in describes]
+    rows = summary(bench, specs, list(describes))
+    parts = [trace_table(t, describes[t], rows[t], slo) for t in describes]
     return "\n".join([*parts, servers_table(bench.started, specs)])
 
 
@@ -599,7 +626,7 @@ def plot(rows: Mapping[str, Sequence[Row]], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     traces = list(rows)
-    targets = [r.target for r in next(iter(rows.values()), [])]
+    targets = list(dict.fromkeys(r.target for per_trace in rows.values() for r in per_trace))
     width = 0.8 / max(len(targets), 1)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, key, label in ((axes[0], "goodput_rps", "goodput, requests/s"),
@@ -628,7 +655,6 @@ def run_dict(run: Run) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, argv: Sequence[str], traces: Mapping[str, TrafficWorkload], bench: Bench
            ) -> dict[str, Any]:
-    names = [s.name for s in args.specs]
     return {
         **provenance(), "command": shlex.join(["python", "scripts/bench_headline.py", *argv]),
         "model": str(args.model),
@@ -639,7 +665,7 @@ def report(args: argparse.Namespace, argv: Sequence[str], traces: Mapping[str, T
                           "requests": len(traces[name].requests)} for name, path in args.trace},
         "targets": {s.name: {**s.describe(), "started": bench.started.get(s.name)} for s in args.specs},
         "failures": [asdict(f) for f in bench.failures],
-        "summary": {t: [asdict(r) for r in trace_rows(bench.runs, bench.failures, t, names)] for t in traces},
+        "summary": {t: [asdict(r) for r in rows] for t, rows in summary(bench, args.specs, list(traces)).items()},
         "warmup": [run_dict(r) for r in bench.warmups], "runs": [run_dict(r) for r in bench.runs],
     }
 
@@ -655,8 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text, flush=True)
     write_report(args.out, report(args, argv, traces, bench))
     args.out.with_suffix(".md").write_text(text, encoding="utf-8")
-    names = [s.name for s in args.specs]
-    drawn = plot({t: trace_rows(bench.runs, bench.failures, t, names) for t in traces}, args.out.with_suffix(".png"))
+    drawn = plot(summary(bench, args.specs, list(traces)), args.out.with_suffix(".png"))
     say(f"wrote {args.out}, {args.out.with_suffix('.md')}" + (f" and {args.out.with_suffix('.png')}" if drawn else
                                                                 " (no plot: matplotlib is not installed)"))
     return 1 if bench.failures and not bench.runs else 0

@@ -48,6 +48,9 @@ def test_arguments_name_the_targets_defaults_first(tmp_path: Path) -> None:
     assert parsed.specs[1].server_args == ("-c", "8192", "-np", "4")
     assert parsed.specs[0].server_args == ()  # defaults: nothing but the model and the address
     assert parsed.specs[3].config == Path("b.yaml") and parsed.specs[4].url == "http://127.0.0.1:8000/v1"
+    assert all(s.replays("chat") and s.replays("agent") for s in parsed.specs)  # no pick named like a trace
+    pick = headline.parse_args(args(tmp_path, "--targets", "ours", "--ours", "chat=t.yaml")).specs[0]
+    assert pick.name == "ours-chat" and pick.replays("chat") and not pick.replays("agent")  # the trace's own pick
     assert headline.parse_args(args(tmp_path, "--llama-server", "ls", "--ours", "a.yaml")).specs[1].server_args \
         == headline.ARTICLE_ARGS
 
