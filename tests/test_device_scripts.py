@@ -131,3 +131,25 @@ def test_the_inplace_study_runs_the_readmes_command_as_written_after_recorded_tr
     runs = [line.strip() for line in script.splitlines() if re.match(r"\s*python3? -m tuning\.search", line)]
     assert runs == [f'{command} "$@" > "$OUT/search.log" 2>&1']
     assert script.index("LIVE_MIN_REQUESTS") < script.index(runs[0]) < script.index("grep -m1 '^workload: '")
+
+
+def _flags_of(script: str, command: str) -> set[str]:
+    """The long flags a script passes to `command`, its continuation lines included."""
+    joined = script.replace("\\\n", " ")
+    calls = [line for line in joined.splitlines() if command in line]
+    assert calls, f"{command} is not run"
+    return {flag for call in calls for flag in re.findall(r"\s(--[a-z][a-z0-9-]*)", call.split(command, 1)[1])}
+
+
+@pytest.mark.unit
+def test_the_headline_script_passes_only_flags_its_commands_take() -> None:
+    """headline.sh runs on a lent GPU: a flag that a command does not take would cost the whole call."""
+    from measure.headline import parser as headline_parser
+    from measure.traces import parser as traces_parser
+    from tuning.options import _parser as tuner_parser
+
+    script = (DEVICE / "headline.sh").read_text()
+    for command, parser in (("-m tuning.search", tuner_parser()), ("scripts/bench_headline.py", headline_parser()),
+                            ("scripts/make_traces.py", traces_parser())):
+        known = set(parser._option_string_actions)
+        assert _flags_of(script, command) <= known, (command, _flags_of(script, command) - known)
