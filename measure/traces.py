@@ -11,6 +11,9 @@ They are synthetic shapes, not recorded traffic: any Mooncake JSONL can be given
   definitions, 8-16k tokens) that every session shares, each turn extending its session's context by the last
   answer and a tool result, short answers of 50-200 tokens, Poisson arrivals.
 
+The lengths above are this generator's settings for those shapes, not statistics measured from the public
+traces (they could not be read here).
+
 `length_scale` multiplies every length before the blocks are cut, so one trace shape runs on a CPU with a 135M
 model and on a GPU with a 27B-class one.
 
