@@ -10,11 +10,15 @@
 #   4. scripts/bench_headline.py: llama-server's defaults, the article's flags and each trace's pick (on its own
 #      trace), one at a time on the GPU, every trace replayed open loop, ROUNDS rounds, llama-server seeing
 #      VRAM_BUDGET through --fit-target (a V100's 32 GiB emulated).     estimated ~5-6 min (4 loads, 6 replays of ~DURATION s)
+# The arrival rates are meant to load llama-server's default slots past what they serve within the SLO (a trace
+# every target serves within it says nothing: goodput is then the offered rate for all): 32 chat requests over
+# 12 s is ~2.7 a second of ~100-200 output tokens each at LENGTH_SCALE 0.5, several times what 4 slots of a
+# 27B-class model decode (~200 tok/s together on an H100); RATE_SCALE scales both traces' rates.
 # The estimates are planned, not yet timed: the whole is meant to end in about 9 minutes on an H100 after the
 # build (a lent GPU's 30 minutes hold the build, the model and this); lower TRIALS, DURATION or the request counts if
 # it does not. Settings (environment): BUILD (/tmp/lcpp), MODEL (/tmp/m27.gguf), VRAM_BUDGET (32GiB), TRIALS (3),
-# CONFIRM (0), LENGTH_SCALE (0.5), CHAT_REQUESTS (24), AGENT_REQUESTS (16), DURATION (30), STUDY_REQUESTS (10),
-# SLO (ttft_p95=10s,itl_p95=150ms), ROUNDS (1), RATE_SCALE (1), SPACE (configs/search_space_workloads.yaml).
+# CONFIRM (0), LENGTH_SCALE (0.5), CHAT_REQUESTS (32), AGENT_REQUESTS (16), DURATION (12), STUDY_REQUESTS (10),
+# SLO (ttft_p95=2s,itl_p95=100ms), ROUNDS (1), RATE_SCALE (1), SPACE (configs/search_space_workloads.yaml).
 # OUT/progress.log says where it is; OUT/done holds "rc=N" at the end; OUT/headline.{json,md,png} are the result.
 # Start it with setsid so it outlives the call that started it (poll it in calls that follow at once: the machine
 # must stay warm).
@@ -24,16 +28,16 @@ OUT=${2:?usage: headline.sh DIR OUT}
 BUILD=${BUILD:-/tmp/lcpp}
 MODEL=${MODEL:-/tmp/m27.gguf}
 VRAM_BUDGET=${VRAM_BUDGET:-32GiB}
-SLO=${SLO:-ttft_p95=10s,itl_p95=150ms}
+SLO=${SLO:-ttft_p95=2s,itl_p95=100ms}
 # shellcheck source=scripts/device/study-common.sh
 source "$(dirname "$0")/study-common.sh"  # say, finish; the build waited for, the model written
 SERVER=$BUILD/build/bin/llama-server
 
 say "traces"
-python3 scripts/make_traces.py --out-dir "$OUT/traces" --shape chat --requests "${CHAT_REQUESTS:-24}" \
-  --duration "${DURATION:-30}" --length-scale "${LENGTH_SCALE:-0.5}" >> "$OUT/progress.log" 2>&1 || finish 6
+python3 scripts/make_traces.py --out-dir "$OUT/traces" --shape chat --requests "${CHAT_REQUESTS:-32}" \
+  --duration "${DURATION:-12}" --length-scale "${LENGTH_SCALE:-0.5}" >> "$OUT/progress.log" 2>&1 || finish 6
 python3 scripts/make_traces.py --out-dir "$OUT/traces" --shape agent --requests "${AGENT_REQUESTS:-16}" \
-  --duration "${DURATION:-30}" --length-scale "${LENGTH_SCALE:-0.5}" >> "$OUT/progress.log" 2>&1 || finish 6
+  --duration "${DURATION:-12}" --length-scale "${LENGTH_SCALE:-0.5}" >> "$OUT/progress.log" 2>&1 || finish 6
 
 picks=()
 for name in chat agent; do
