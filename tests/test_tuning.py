@@ -28,7 +28,10 @@ SMALL_SPACE = {
     "n_parallel": [1, 2], "n_batch": [256, 512], "n_ubatch": [256], "ctx_per_slot": [1024],
     "type_k": ["f16", "q8_0"], "type_v": ["f16", "q8_0"], "flash_attn": ["on"],
 }
-FAST = ["--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "1024", "--no-apply", "--offline"]
+# --prune-below 0.01: every trial is measured short first and gets its bar (tuning/prune.py), but none is that far
+# behind, so these tests read every trial's full figures
+FAST = ["--gen-tokens", "8", "--repeats", "1", "--min-ctx-per-slot", "1024", "--no-apply", "--offline",
+        "--prune-below", "0.01"]
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +87,7 @@ def test_search_runs_end_to_end_and_writes_a_loadable_config(ray_session: None, 
         assert a["nll"] > 0 and abs(a["nll_delta"]) < 0.5
         assert a["params"]["ctx_per_slot"] == 1024 and a["n_ctx"] == 1024 * a["params"]["n_parallel"]
         assert a["weight_loads"] == 1  # the actor is reused: later trials rebuild only the context
+        assert a["short_single_tok_s"] > 0 and a["short_s"] > 0 and not a["pruned"]  # measured short first
         buffers = a["buffers_mib"]  # llama.cpp's own sizes, the weights' kept from the load across rebuilds
         assert buffers["model"] and buffers["KV"] and buffers["compute"], buffers
     # the written config is the one a trial measured

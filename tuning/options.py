@@ -15,6 +15,7 @@ from pathlib import Path
 from measure.replay import DEFAULT_CONCURRENCY, DEFAULT_REQUESTS, Builtin
 from measure.slo import Slo
 from measure.workload import PromptSet
+from tuning.prune import DEFAULT_PRUNE_BELOW
 from tuning.report import Objective
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -40,9 +41,13 @@ class Prefer(str, Enum):
 
 
 class Sampler(str, Enum):
+    """Optuna's sampler; prior: the memory model's and the roofline's ranking first, then TPE
+    (tuning/prior_sampler.py)."""
+
     tpe = "tpe"
     nsga2 = "nsga2"
     random = "random"
+    prior = "prior"
 
 
 class DeviceChoice(str, Enum):
@@ -85,6 +90,7 @@ class SearchOptions:
     confirm_top: int = 3
     sampler: Sampler = Sampler.tpe
     seed: int = 0
+    prune_below: float = DEFAULT_PRUNE_BELOW  # 0: every trial measured in full
     storage: str | None = None
     study_name: str | None = None
     results_dir: Path = REPO_ROOT / "results"
@@ -232,6 +238,13 @@ def _parser() -> argparse.ArgumentParser:
     pick.add_argument("--sampler", choices=[s.value for s in Sampler], default=d.sampler.value,
                       help="Optuna's sampler")
     pick.add_argument("--seed", type=int, default=d.seed, help="the sampler's seed")
+    prune = pick.add_mutually_exclusive_group()
+    prune.add_argument("--prune-below", type=float, default=d.prune_below,
+                       help="measure each trial short first (a quarter of --gen-tokens, one round) and skip its full "
+                            "measurement when it is below this share of the best short figure so far on every "
+                            "objective the pick reads (offline, fixed benchmark; never the baseline); 0: off")
+    prune.add_argument("--no-prune", dest="prune_below", action="store_const", const=0.0,
+                       help="measure every trial in full (--prune-below 0)")
 
     keep = p.add_argument_group("where the study and the pick go")
     keep.add_argument("--storage", help="Optuna storage URL (default: sqlite:///RESULTS_DIR/optuna.db)")
@@ -256,6 +269,8 @@ def parse_options(argv: list[str] | None = None) -> SearchOptions:
         p.error("--objective capacity needs --min-stream-tok-s (the floor every stream must keep)")
     if ns.min_stream_tok_s is not None and ns.min_stream_tok_s <= 0:
         p.error("--min-stream-tok-s must be > 0")
+    if not 0 <= ns.prune_below < 1:
+        p.error("--prune-below must be in [0, 1): a share of the best short figure (0: off)")
     if ns.confirm_rounds < 0 or ns.confirm_top < 1:
         p.error("--confirm-rounds must be >= 0 and --confirm-top >= 1")
     slo = _slo(p, ns.slo)
@@ -277,6 +292,7 @@ def parse_options(argv: list[str] | None = None) -> SearchOptions:
         objective_choice=Objective(ns.objective) if ns.objective else None,
         prefer_choice=Prefer(ns.prefer) if ns.prefer else None,
         confirm_rounds=ns.confirm_rounds, confirm_top=ns.confirm_top, sampler=Sampler(ns.sampler), seed=ns.seed,
+        prune_below=ns.prune_below,
         storage=ns.storage, study_name=ns.study_name, results_dir=ns.results_dir, out=ns.out, apply=ns.apply)
 
 

@@ -22,6 +22,7 @@ from serving.engine.memory import ModelShape, predict
 from serving.engine.units import GiB, parse_bytes
 from serving.engine.model_store import HubModel, fetch, resolve
 from tuning.options import DeviceChoice, SearchOptions
+from tuning.results import Objective
 from tuning.serving_app import ServingApp
 from tuning.space import PlacementFit, PlacementSearch, SearchSpace, thread_choices, to_engine_config
 from tuning.workloads import TrafficPlan, least_context, traffic_plan
@@ -41,6 +42,8 @@ class TrialSettings:
     max_quality_loss: float
     traffic: TrafficPlan | None = None  # a traffic workload to replay instead of the fixed benchmark
     ram_budget_bytes: int | None = None  # host memory a config may take (with part of the model on the CPU)
+    prune_below: float = 0.0  # > 0: each trial measured short first, pruned below this share of the best (prune.py)
+    objective: Objective = Objective.aggregate  # the second objective, which a short measurement reports too
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,17 @@ def study_plan(opts: SearchOptions, app: ServingApp | None, total: int, free: in
     placement = placement_search(shape, base, budget, on_gpu, space, contexts[0], threads)
     settings = TrialSettings(base=base, shape=shape, budget_bytes=budget, on_gpu=on_gpu, workload=workload(opts),
                              max_quality_loss=opts.max_quality_loss, traffic=traffic,
-                             ram_budget_bytes=ram_budget_bytes(opts))
+                             ram_budget_bytes=ram_budget_bytes(opts), prune_below=prune_below(opts, app, traffic),
+                             objective=opts.objective)
     return StudyPlan(options=opts, app=app, settings=settings, space=space, contexts=tuple(contexts),
                      min_ctx=min_ctx, slots=slots, placement=placement, study_name=study_name(opts, settings, app))
+
+
+def prune_below(opts: SearchOptions, app: ServingApp | None, traffic: TrafficPlan | None) -> float:
+    """--prune-below where a short measurement exists: offline on the fixed benchmark. In place a short run would
+    hold a serving replica twice, and a traffic workload's replay has no short form yet: there trials are
+    measured in full (the plan line says so)."""
+    return opts.prune_below if app is None and traffic is None else 0.0
 
 
 def base_config(opts: SearchOptions) -> EngineConfig:

@@ -5,6 +5,11 @@ Ray Tune's OptunaSearch tells Optuna only the objective values. The constraint f
 feasibility) and the report need the rest of what a trial measured, so it is written to the trial's user
 attributes first; the study's storage then holds everything, and a resumed study reports all of it.
 
+With pruning on (tuning/prune.py), each proposal carries the bar its short measurement must reach, from the short
+figures of the trials the study holds (none for the baseline, which is never pruned); a trial that fell behind it
+is told to Optuna as PRUNED, with its short figures among its attributes, so the report counts it and never picks
+it, and TPE counts it among the worse trials.
+
 Different parameters can make the same engine (an n_ubatch above n_batch is clamped to it): on the H200 a
 40-trial study measured only 24 distinct configs. A proposal whose engine config a completed trial of the
 study already measured is told that trial's results at once (marked `answered_from`), and the sampler is
@@ -19,6 +24,7 @@ from typing import Any
 
 from ray.tune.search.optuna import OptunaSearch
 
+from tuning import prune
 from tuning.results import TrialResult
 
 MAX_ANSWERED = 10  # proposals answered from the study per suggestion before one runs anyway (a small space)
@@ -28,13 +34,14 @@ class RecordingOptunaSearch(OptunaSearch):
     """OptunaSearch plus user attributes: `recorded` result keys, the params, and the baseline mark."""
 
     def __init__(self, *args: Any, first_is_baseline: bool, canonical: Callable[[dict[str, Any]], Hashable],
-                 **kwargs: Any) -> None:
+                 prune_prefer: str = "balanced", prune_below: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._first_is_baseline = first_is_baseline
         self._canonical = canonical  # params -> the engine they make (tuning.space.to_engine_config)
+        self._prune_prefer, self._prune_below = prune_prefer, prune_below  # --prefer, --prune-below (0: off)
 
     def suggest(self, trial_id: str) -> dict | None:
-        """The sampler's next proposal whose engine the study has not measured yet."""
+        """The sampler's next proposal whose engine the study has not measured yet, with its short bar."""
         params = super().suggest(trial_id)
         for _ in range(MAX_ANSWERED):
             twin = self._measured_twin(params) if params is not None else None
@@ -42,14 +49,28 @@ class RecordingOptunaSearch(OptunaSearch):
                 break
             self._answer(self._ot_trials.pop(trial_id), params or {}, twin)
             params = super().suggest(trial_id)
-        return params
+        line = self._bar(trial_id) if params is not None else None
+        return {**params, prune.BAR_KEY: line.to_dict()} if params is not None and line is not None else params
+
+    def _bar(self, trial_id: str) -> prune.Bar | None:
+        """The bar for this trial's short measurement; None for the baseline, or with pruning off."""
+        if self._first_is_baseline and self._ot_trials[trial_id].number == 0:
+            return None
+        from optuna.trial import TrialState
+
+        study: Any = self._ot_study
+        records = [TrialResult.from_attrs(t.user_attrs)
+                   for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))]
+        shorts = [prune.Short(r.short_single_tok_s, r.short_second or 0.0) for r in records
+                  if r.short_single_tok_s is not None and r.answered_from is None]
+        return prune.bar(shorts, self._prune_prefer, self._prune_below)
 
     def _measured_twin(self, params: dict[str, Any]) -> Any:
         from optuna.trial import TrialState
 
         key = self._canonical(params)
         study: Any = self._ot_study  # set by OptunaSearch's setup before any suggestion
-        for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
             record = TrialResult.from_attrs(trial.user_attrs)
             if record.params and record.answered_from is None and self._canonical(record.params) == key:
                 return trial
@@ -60,7 +81,12 @@ class RecordingOptunaSearch(OptunaSearch):
                          answered_from=twin.number)
         self._record(ot_trial, record)
         study: Any = self._ot_study
-        study.tell(ot_trial, twin.values)
+        if record.pruned:  # the twin was pruned: so is this proposal of its engine
+            from optuna.trial import TrialState
+
+            study.tell(ot_trial, state=TrialState.PRUNED)
+        else:
+            study.tell(ot_trial, twin.values)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         ot_trial = self._ot_trials.get(trial_id)
@@ -68,6 +94,13 @@ class RecordingOptunaSearch(OptunaSearch):
             record = replace(TrialResult.from_tune(result or {}), params=_params(result or {}),
                              is_baseline=self._first_is_baseline and ot_trial.number == 0)
             self._record(ot_trial, record)
+            if record.pruned and trial_id not in self._completed_trials:  # no full figures: Optuna's PRUNED
+                from optuna.trial import TrialState
+
+                study: Any = self._ot_study
+                study.tell(ot_trial, state=TrialState.PRUNED)
+                self._completed_trials.add(trial_id)
+                return
         super().on_trial_complete(trial_id, result, error)
 
     @staticmethod

@@ -20,6 +20,7 @@ __all__ = ["Objective", "TrialRow", "importance_section", "markdown", "pareto_fr
            "trial_table"]
 
 PICK_WITHIN = 0.05  # the balanced pick: best aggregate among trials within 5% of the best single stream
+NEAR_BEST = 0.95  # "a good pick": within 5% of the best's figure (time to it: search_section)
 GOODPUT_TIE = 0.02  # goodputs this close tie: at a fixed arrival rate every config that keeps up serves the same
 IMPORTANCE_PLOT = "importance.png"
 
@@ -95,6 +96,85 @@ def rows_from_study(study: Any, objective: Objective = Objective.aggregate) -> l
     return rows
 
 
+def pruned_rows(study: Any, objective: Objective = Objective.aggregate) -> list[TrialRow]:
+    """The study's pruned trials (tuning/prune.py): measured short only, never on the front nor the pick."""
+    return [TrialRow(t.number, TrialResult.from_attrs(dict(t.user_attrs)), objective)
+            for t in study.trials if t.state.name == "PRUNED"]
+
+
+def finished_s(study: Any) -> dict[int, float]:
+    """Seconds from the study's first trial start to each finished trial's end (Optuna's datetime_start and
+    datetime_complete), by trial number."""
+    started = [t.datetime_start for t in study.trials if t.datetime_start is not None]
+    if not started:
+        return {}
+    t0 = min(started)
+    return {t.number: (t.datetime_complete - t0).total_seconds() for t in study.trials
+            if t.datetime_complete is not None}
+
+
+def score(row: TrialRow, prefer: str) -> float:
+    """The figure a pick by `prefer` ranks on: the single stream for single, else the second objective (the
+    balanced pick's best aggregate among the near-best single streams)."""
+    return row.single if prefer == "single" else row.second
+
+
+def time_to(rows: Sequence[TrialRow], finished: dict[int, float], target: float, prefer: str,
+            within: float = NEAR_BEST) -> float | None:
+    """Seconds from the study's start until the first feasible measured trial within `within` of `target` (on
+    the figure `prefer` ranks on) had finished; None when none came that close."""
+    times = [finished[r.number] for r in rows if r.feasible and r.answered_from is None and r.number in finished
+             and score(r, prefer) >= within * target]
+    return min(times, default=None)
+
+
+@dataclass(frozen=True)
+class PruneSaving:
+    """What measuring short first cost and saved: every short run is paid, each pruned trial skips a full
+    measurement (estimated at the median full measurement of the study)."""
+
+    pruned: int
+    shorts: int
+    short_s: float
+    full_median_s: float | None
+
+    @property
+    def saved_s(self) -> float | None:
+        """Full measurements skipped less every short run paid; None without a full measurement to size one."""
+        if self.full_median_s is None:
+            return None
+        return self.pruned * self.full_median_s - self.short_s
+
+
+def prune_saving(rows: Sequence[TrialRow], pruned: Sequence[TrialRow]) -> PruneSaving:
+    both = [*rows, *pruned]
+    shorts = [r.result.short_s for r in both if r.result.short_s is not None and r.answered_from is None]
+    fulls = sorted(r.result.measure_s for r in rows if r.result.measure_s is not None and r.answered_from is None)
+    median = fulls[len(fulls) // 2] if fulls else None
+    return PruneSaving(len([r for r in pruned if r.answered_from is None]), len(shorts), sum(shorts), median)
+
+
+def search_section(rows: list[TrialRow], pruned: list[TrialRow], finished: dict[int, float],
+                   winner: TrialRow | None, prefer: str) -> list[str]:
+    """How fast the search reached its pick: the time to a trial within NEAR_BEST of the pick's figure, and what
+    measuring short first saved (when it was on)."""
+    out = ["## How fast the search got there", ""]
+    if winner is not None:
+        found = time_to(rows, finished, score(winner, prefer), prefer)
+        figure = "single-stream tok/s" if prefer == "single" else winner.objective.label
+        out.append(f"- time to {NEAR_BEST:.0%} of the pick's {figure} ({score(winner, prefer):.1f}): "
+                   + (f"{found:.0f} s from the first trial's start" if found is not None else "not reached"))
+    saving = prune_saving(rows, pruned)
+    if saving.shorts:
+        saved = saving.saved_s
+        full = f"{saving.full_median_s:.1f} s" if saving.full_median_s is not None else "none measured"
+        out.append(f"- measured short first: {saving.pruned} of {saving.shorts} trials pruned "
+                   f"({', '.join(f'#{r.number}' for r in pruned) or 'none'}); short runs {saving.short_s:.0f} s in "
+                   f"all, a full measurement {full} (median): net saving "
+                   + (f"{saved:.0f} s" if saved is not None else "unknown"))
+    return [*out, ""]
+
+
 def weight_loads(rows: list[TrialRow]) -> tuple[int, float]:
     """Weight loads and seconds spent loading, over all trial actors (each actor's running totals; a trial
     rejected before loading reports none, so the largest figure per actor counts)."""
@@ -158,6 +238,8 @@ def _flags(row: TrialRow) -> str:
         flags.append("GPU shared")
     if row.is_baseline:
         flags.append("baseline")
+    if r.pruned:
+        flags.append("pruned")
     return "; ".join(flags)
 
 
@@ -356,11 +438,12 @@ def latency_section(winner: TrialRow | None) -> list[str]:
 
 def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context: dict[str, Any],
              plot_name: str, capacity_plot: str | None = None, summary: str | None = None,
-             kept: str | None = None, importances: Sequence[str] = ()) -> str:
+             kept: str | None = None, importances: Sequence[str] = (), search: Sequence[str] = ()) -> str:
     """The report; `summary` (the tuner's pick line, with the confirmed figures) replaces the winner's line
     drawn from the study's single measurements; `kept` (in place: why the served config stays) replaces the
     winner section, and the latency table is then the search's best trial's; `importances`
-    (importance_section's lines) follow the Pareto front and the capacity curves."""
+    (importance_section's lines) follow the Pareto front and the capacity curves, `search` (search_section's)
+    them."""
     baseline = next((r for r in rows if r.is_baseline), None)
     front = pareto_front(rows)
     out = ["# Tuning report", ""]
@@ -380,6 +463,7 @@ def markdown(rows: list[TrialRow], winner: TrialRow | None, prefer: str, context
     out += ["", "## Pareto front", "", trial_table(front, traffic), ""]
     out += capacity_section(rows, capacity_plot) if capacity_plot else []
     out += importances
+    out += search
     out += ["## All trials", "", trial_table(rows, traffic), "", *nodes_section(rows),
             "Quality: NLL delta is the mean negative log-likelihood (nats/token) of tuning/data/quality.txt "
             "under the trial's config minus the same with an f16 K/V cache; trials above "
@@ -424,8 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     capacity = args.min_stream_tok_s is not None and plot_capacity(rows, args.min_stream_tok_s,
                                                                    args.out_dir / "capacity.png")
     context = {"study": args.study, "storage": args.storage, "trials in study": len(rows)}
+    search = search_section(rows, pruned_rows(study, Objective(args.objective)), finished_s(study), winner,
+                            args.prefer)
     text = markdown(rows, winner, args.prefer, context, "pareto.png", "capacity.png" if capacity else None,
-                    importances=importance_section(study, Objective(args.objective), args.out_dir))
+                    importances=importance_section(study, Objective(args.objective), args.out_dir), search=search)
     (args.out_dir / "report.md").write_text(text)
     print(f"report: {args.out_dir / 'report.md'}")
     return 0

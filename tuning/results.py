@@ -206,6 +206,11 @@ class TrialResult:
     reused: bool = False  # the trial actor had measured this engine config already
     answered_from: int | None = None  # the study trial whose measurement answered this proposal
     is_baseline: bool = False
+    pruned: bool = False  # its short measurement was clearly behind (tuning/prune.py): no full measurement
+    short_single_tok_s: float | None = None  # the short measurement (pruning on), compared with other trials'
+    short_second: float | None = None
+    short_s: float | None = None  # seconds the short measurement took
+    measure_s: float | None = None  # seconds the full measurement took (the context rebuild included)
     extra: dict[str, Any] = field(default_factory=dict)  # attributes of other versions, kept as read
 
     def measured(self, run: MeasuredRun, *, reused: bool = False) -> TrialResult:

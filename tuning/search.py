@@ -32,9 +32,9 @@ from tuning.confirm import Confirmation, confirm_pick  # noqa: E402
 from tuning.errors import UserError  # noqa: E402
 from tuning.gpus import TrialSlots  # noqa: E402
 from serving.engine.units import GiB  # noqa: E402
-from tuning.options import REPO_ROOT, Sampler, SearchOptions, Where, parse_options  # noqa: E402
+from tuning.options import REPO_ROOT, Prefer, Sampler, SearchOptions, Where, parse_options  # noqa: E402
 from tuning.plan import StudyPlan, base_config, study_plan  # noqa: E402
-from tuning.report import TrialRow  # noqa: E402
+from tuning.report import Objective, TrialRow  # noqa: E402
 from tuning.serving_app import ServingApp, serving_app  # noqa: E402
 from tuning.space import SearchSpace, SpaceFunction, to_engine_config  # noqa: E402
 
@@ -109,16 +109,46 @@ def article_point(base: EngineConfig, space: SearchSpace, contexts: Sequence[int
     return point if valid else None
 
 
-def make_sampler(name: Sampler, seed: int) -> Any:
+TPE_STARTUP = 8  # TPE's random start; `prior` puts the predicted ranking's first this many there instead
+
+
+def make_sampler(plan: StudyPlan) -> Any:
     """Optuna's sampler; TPE and NSGA-II read the memory and quality constraints each trial carries
-    (tuning/recording.py sets them), so infeasible configs steer the search away."""
+    (tuning/recording.py sets them), so infeasible configs steer the search away; prior: the memory model's and
+    the roofline's ranking (tuning/prior.py) for TPE's start, then TPE."""
     import optuna
 
+    name, seed = plan.options.sampler, plan.options.seed
     if name is Sampler.nsga2:
         return optuna.samplers.NSGAIISampler(seed=seed)
     if name is Sampler.random:
         return optuna.samplers.RandomSampler(seed=seed)
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
+    tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=TPE_STARTUP)
+    if name is Sampler.prior:
+        from tuning.prior_sampler import PriorSampler
+
+        return PriorSampler(prior_ranking(plan), TPE_STARTUP, then=tpe)
+    return tpe
+
+
+def prior_ranking(plan: StudyPlan) -> list[dict[str, Any]]:
+    """The plan's space ranked by the prediction (tuning/prior.py) at its workload's depth and streams; a model
+    placed partly in host memory is refused (the roofline would need the host's bandwidth too)."""
+    from tuning import prior
+
+    if plan.placement is not None:
+        raise UserError("--sampler prior ranks configs of a model that fits the budget; this one is placed partly "
+                        "in host memory: use --sampler tpe")
+    opts, traffic = plan.options, plan.traffic
+    shapes = [(r.prompt_tokens, r.output_tokens) for r in traffic.workload.requests] if traffic is not None else []
+    aggregate = opts.objective is Objective.aggregate  # 4 streams; capacity and goodput: as many as there are slots
+    streams = plan.settings.workload.concurrency if aggregate else max(plan.space.n_parallel)
+    ranked = prior.rank(plan.space, plan.contexts, plan.settings.shape, plan.base, plan.budget, plan.on_gpu,
+                        prior.workload_depth(opts.gen_tokens, shapes), streams,
+                        single_first=opts.prefer is Prefer.single, seed=opts.seed)
+    if not ranked:
+        raise UserError("--sampler prior: no config of the space fits the budget by the memory model")
+    return [r.point for r in ranked]
 
 
 def make_searcher(plan: StudyPlan, storage: Any) -> Any:
@@ -132,8 +162,9 @@ def make_searcher(plan: StudyPlan, storage: Any) -> Any:
         space=SpaceFunction(plan.space, list(plan.contexts), plan.placement),
         metric=["single_tok_s", opts.objective.key], mode=["max", "max"],
         points_to_evaluate=[baseline] if baseline else None,
-        sampler=make_sampler(opts.sampler, opts.seed), study_name=plan.study_name, storage=storage, seed=opts.seed,
+        sampler=make_sampler(plan), study_name=plan.study_name, storage=storage, seed=opts.seed,
         first_is_baseline=baseline is not None, canonical=partial(to_engine_config, base=plan.base),
+        prune_prefer=opts.prefer.value, prune_below=plan.settings.prune_below,
     )
 
 
@@ -211,8 +242,10 @@ def finish(plan: StudyPlan, session: Session, storage: Any, context: dict[str, A
                "answered from an earlier trial of the same engine config": answered,
                loads_label: loads, "time loading weights": f"{load_s:.1f} s"}
     summary = pick_summary(study_name, winner, rows, confirmed, opts) if winner is not None else None
+    search = report.search_section(rows, report.pruned_rows(study, opts.objective), report.finished_s(study),
+                                   winner, opts.prefer.value)
     text = report.markdown(rows, winner, opts.prefer.value, context, "pareto.png", capacity_plot, summary,
-                           importances=report.importance_section(study, opts.objective, out_dir))
+                           importances=report.importance_section(study, opts.objective, out_dir), search=search)
     write_report(out_dir, text, confirmed)
     if winner is None or summary is None:
         print(f"{report.no_pick(rows)} Nothing written.", file=sys.stderr)
@@ -305,12 +338,31 @@ def report_context(plan: StudyPlan, wall: float) -> dict[str, Any]:
             "trials ran": (f"in place, on app {app.name!r}" if app else
                            f"offline (engines of the tuner's own; {slots_text(plan.slots, plan.on_gpu)})"),
             "budget": f"{plan.budget / GiB:.2f} GiB", "min context per slot": plan.min_ctx,
-            "max quality loss": f"{opts.max_quality_loss} nats/token", "sampler": opts.sampler.value,
+            "max quality loss": f"{opts.max_quality_loss} nats/token", "sampler": sampler_text(opts.sampler),
+            "pruning": pruning_text(plan),
             **({"workload": traffic.workload.describe(), "SLO": str(opts.slo or "none")} if traffic else
                {"prompt set": opts.prompt_set}),
             "objectives": f"{opts.objective.first_label}, {opts.objective.label}",
             **({"capacity floor": f"{opts.min_stream_tok_s} tok/s per stream"} if opts.min_stream_tok_s else {}),
             "study": plan.study_name, "this run": f"{opts.trials} trials in {wall:.0f} s"}
+
+
+def sampler_text(sampler: Sampler) -> str:
+    """The sampler as the report names it, saying what `prior` is made of."""
+    if sampler is Sampler.prior:
+        return (f"prior (the memory model's and the roofline's ranking for the first {TPE_STARTUP} proposals, "
+                "then TPE)")
+    return sampler.value
+
+
+def pruning_text(plan: StudyPlan) -> str:
+    """Whether trials were measured short first, and the bar."""
+    below = plan.settings.prune_below
+    if below > 0:
+        return f"short first, pruned below {below:g} x the best short figure on every objective the pick reads"
+    if plan.options.prune_below > 0:
+        return "off (in place and on a traffic workload every trial is measured in full)"
+    return "off"
 
 
 def plan_line(opts: SearchOptions, base: EngineConfig, app: ServingApp | None, on_gpu: bool, slots: TrialSlots,

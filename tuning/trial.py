@@ -24,8 +24,11 @@ from tuning.device import DeviceProbe
 from serving.engine.memory import predict
 from tuning.objective import Runner, SpeedMeasure, measure_engine
 from tuning.plan import TrialSettings
+from tuning.prune import BAR_KEY, Bar, Short, behind, short_tokens
 from tuning.results import MeasuredRun, SpeedFigures, TrialResult
 from tuning.space import to_engine_config
+
+SHORT_PROMPTS = 1000  # prompt numbers a short measurement may use (fresh prefixes: no prompt-cache hits)
 
 
 class ConfigTrial(tune.Trainable):
@@ -48,9 +51,11 @@ class ConfigTrial(tune.Trainable):
 
     def trial(self) -> TrialResult:
         s = self.settings
-        config = to_engine_config(self.config, s.base)
+        params = {k: v for k, v in self.config.items() if k != BAR_KEY}  # the bar is the searcher's, not a setting
+        line = Bar.from_dict(self.config[BAR_KEY]) if self.config.get(BAR_KEY) else None
+        config = to_engine_config(params, s.base)
         predicted = predict(s.shape, config, s.on_gpu)
-        result = TrialResult(params=dict(self.config), n_ctx=config.n_ctx, mem_predicted=predicted.total,
+        result = TrialResult(params=params, n_ctx=config.n_ctx, mem_predicted=predicted.total,
                              mem_host_predicted=predicted.host if s.on_gpu else None,
                              mem_budget=s.budget_bytes, actor=self.actor,
                              capacity_tok_s=0.0 if s.workload.min_stream_tok_s is not None else None,
@@ -64,13 +69,35 @@ class ConfigTrial(tune.Trainable):
             result = result.measured(self.measured[config], reused=True)
         else:
             try:
-                self.measured[config] = self._measure(config)
-                result = result.measured(self.measured[config])
+                result = self._short_then_full(config, result, line)
             except (EngineError, RuntimeError) as exc:
                 result = replace(result, error=str(exc))
         return result.constrained(s.budget_bytes, s.max_quality_loss)
 
+    def _short_then_full(self, config: EngineConfig, result: TrialResult, line: Bar | None) -> TrialResult:
+        """With pruning on, the short measurement first: pruned (no full measurement) when it is behind `line`,
+        the searcher's bar (none for the baseline or before any trial was measured); then the full one."""
+        self._prepare(config)  # the context built once, outside both timings: short_s and measure_s compare
+        if self.settings.prune_below > 0:
+            t0 = time.perf_counter()
+            short = self._measure_short(config)
+            result = replace(result, short_single_tok_s=short.single_tok_s, short_second=short.second,
+                             short_s=time.perf_counter() - t0)
+            if line is not None and behind(short, line):
+                return replace(result, pruned=True)
+        t0 = time.perf_counter()
+        self.measured[config] = self._measure(config)
+        return replace(result.measured(self.measured[config]), measure_s=time.perf_counter() - t0)
+
+    def _prepare(self, config: EngineConfig) -> None:
+        """Get the engine ready to run `config`, where this actor holds it (offline); in place the replica does."""
+        return None
+
     def _measure(self, config: EngineConfig) -> MeasuredRun:
+        raise NotImplementedError
+
+    def _measure_short(self, config: EngineConfig) -> Short:
+        """The short measurement (tuning/prune.py); offline only (tuning/plan.py's prune_below says why)."""
         raise NotImplementedError
 
     def save_checkpoint(self, checkpoint_dir: str) -> None:
@@ -92,11 +119,15 @@ class EngineTrial(ConfigTrial):
         self.runner = Runner(settings.workload)
         self.probe = DeviceProbe(settings.on_gpu)
         self.baseline_nll: float | None = None
+        self.rebuild_s = 0.0  # the last load or context rebuild
+        self.buffers: dict[str, dict[str, float]] = {}  # llama.cpp's buffers of the config built last
 
-    def _measure(self, config: EngineConfig) -> MeasuredRun:
-        """Load (first trial) or rebuild the context, then measure; llama.cpp's buffer sizes are read as it
-        allocates them, the weights' from the load (a rebuild keeps them), so each trial's memory can be set
-        against the memory model term by term."""
+    def _build(self, config: EngineConfig) -> Engine:
+        """Load (first trial) or rebuild the context, unless the engine runs `config` already (its short
+        measurement built it); llama.cpp's buffer sizes are read as it allocates them, the weights' from the load
+        (a rebuild keeps them), so each trial's memory can be set against the memory model term by term."""
+        if self.engine is not None and self.engine.requested == config:
+            return self.engine
         t0 = time.perf_counter()
         with llama_buffers() as buffers:
             if self.engine is None:
@@ -105,11 +136,25 @@ class EngineTrial(ConfigTrial):
                 self.weight_buffers = dict(buffers.get("model", {}))
             else:
                 self.engine.reconfigure(config)
-        rebuild_s = time.perf_counter() - t0
-        measured = measure_engine(self.engine, self.runner, self.probe, self.baseline_nll, self.settings.traffic)
+        self.rebuild_s = time.perf_counter() - t0
+        self.buffers = {**buffers, "model": self.weight_buffers}
+        return self.engine
+
+    def _prepare(self, config: EngineConfig) -> None:
+        self._build(config)
+
+    def _measure(self, config: EngineConfig) -> MeasuredRun:
+        engine = self._build(config)
+        measured = measure_engine(engine, self.runner, self.probe, self.baseline_nll, self.settings.traffic)
         self.baseline_nll = measured.nll_baseline
-        return MeasuredRun(measurement=measured, setup_s=rebuild_s,
-                           buffers_mib={**buffers, "model": self.weight_buffers})
+        return MeasuredRun(measurement=measured, setup_s=self.rebuild_s, buffers_mib=self.buffers)
+
+    def _measure_short(self, config: EngineConfig) -> Short:
+        """A quarter of the tokens, one round after the warm-up, on prompts of its own numbers."""
+        workload = self.settings.workload
+        short = replace(workload, gen_tokens=short_tokens(workload.gen_tokens), repeats=1, report_copy=False)
+        figures = SpeedMeasure(short, self.runner.prompts.reserve(SHORT_PROMPTS))(self._build(config))
+        return Short(single_tok_s=figures.single_tok_s, second=figures.second(self.settings.objective))
 
     def cleanup(self) -> None:
         if self.engine is not None:
