@@ -13,7 +13,7 @@ from serving.engine.memory import ModelShape, predict
 from tuning import prune
 from tuning.compare import StudyRun, compare, table
 from tuning.prior import kv_bytes_per_cell, predict_rates, rank
-from tuning.report import TrialRow, finished_s, pick, prune_saving, time_to
+from tuning.report import TrialRow, finished_s, pick, prune_saving, rows_from_study, time_to
 from tuning.results import TrialResult
 from tuning.space import SearchSpace, suggest, to_engine_config
 
@@ -115,7 +115,7 @@ def row(number: int, single: float, second: float, **kw: Any) -> TrialRow:
 
 @pytest.mark.unit
 def test_a_pruned_trial_is_never_the_pick_and_its_saving_is_counted() -> None:
-    from tuning.report import pruned_rows, rows_from_study
+    from tuning.report import pruned_rows
 
     class Trial:
         def __init__(self, number: int, state: str, attrs: dict[str, Any]) -> None:
@@ -183,3 +183,72 @@ def test_the_compare_table_from_fake_studies() -> None:
     text = table(result)
     assert "| tpe | 2 | 2 | 0.80 (0.70-0.90) | not reached [0/2] |" in text
     assert "| prior | 2 | 2 |" in text
+
+
+# -- the searcher and the trial, through their real code (Ray's libraries, no cluster) ---------------------
+@pytest.mark.engine
+def test_the_searcher_passes_a_bar_but_not_to_the_baseline_and_tells_a_pruned_trial_as_pruned() -> None:
+    from functools import partial
+
+    import optuna
+
+    from tuning.recording import RecordingOptunaSearch
+    from tuning.space import SpaceFunction
+
+    space = SearchSpace(n_parallel=[1, 2], n_batch=[256, 512], n_ubatch=[256], ctx_per_slot=[1024],
+                        type_k=["f16"], type_v=["f16"], flash_attn=["on"], kv_unified=[False])
+    baseline = {"n_parallel": 1, "n_batch": 256, "n_ubatch": 256, "ctx_per_slot": 1024, "type_k": "f16",
+                "type_v": "f16", "flash_attn": "on"}
+    searcher = RecordingOptunaSearch(
+        space=SpaceFunction(space, [1024], None), metric=["single_tok_s", "aggregate_tok_s"], mode=["max", "max"],
+        points_to_evaluate=[baseline], sampler=optuna.samplers.RandomSampler(seed=0), study_name="prune",
+        storage=optuna.storages.InMemoryStorage(), first_is_baseline=True,
+        canonical=partial(to_engine_config, base=EngineConfig()), prune_prefer="balanced", prune_below=0.8)
+    first = searcher.suggest("t0")
+    assert first is not None and prune.BAR_KEY not in first, "the baseline is never pruned: no bar"
+    searcher.on_trial_complete("t0", result={"single_tok_s": 50.0, "aggregate_tok_s": 90.0, "params": baseline,
+                                             "short_single_tok_s": 40.0, "short_second": 80.0, "feasible": True})
+    second = searcher.suggest("t1")
+    assert second is not None and second[prune.BAR_KEY] == {"single_tok_s": 32.0, "second": 64.0}
+    params = {k: v for k, v in second.items() if k != prune.BAR_KEY}
+    searcher.on_trial_complete("t1", result={"single_tok_s": 0.0, "aggregate_tok_s": 0.0, "params": params,
+                                             "pruned": True, "short_single_tok_s": 10.0, "short_second": 10.0})
+    study = searcher._ot_study
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "PRUNED"]
+    assert study.trials[1].user_attrs["pruned"] and prune.BAR_KEY not in study.trials[1].user_attrs["params"]
+    winner = pick(rows_from_study(study), "balanced")
+    assert winner is not None and winner.number == 0, "a pruned trial is never the pick"
+
+
+@pytest.mark.engine
+def test_a_trial_behind_its_bar_skips_the_full_measurement_and_the_baseline_is_measured_in_full() -> None:
+    from tuning.objective import Workload
+    from tuning.plan import TrialSettings
+    from tuning.results import Measurement, MeasuredRun
+    from tuning.trial import EngineTrial
+
+    base = EngineConfig()
+    trial = object.__new__(EngineTrial)  # the trainable's logic without a Ray Tune actor around it
+    trial.settings = TrialSettings(base=base, shape=ModelShape.from_gguf(base.model_path), budget_bytes=2**40,
+                                   on_gpu=False, workload=Workload(), max_quality_loss=0.1, prune_below=0.8)
+    trial.actor, trial.measured = "test", {}
+    full: list[EngineConfig] = []
+
+    def fake_full(config: EngineConfig) -> MeasuredRun:
+        full.append(config)
+        return MeasuredRun(measurement=Measurement(
+            single_tok_s=50.0, aggregate_tok_s=90.0, ttft_ms=1.0, prefill_tok_s=1.0, nll=2.0, nll_baseline=2.0,
+            mem_measured=1, weight_loads=1, weight_load_s=0.1))
+
+    trial._prepare = lambda config: None  # type: ignore[method-assign]
+    trial._measure = fake_full  # type: ignore[method-assign]
+    trial._measure_short = lambda config: prune.Short(10.0, 20.0)  # type: ignore[method-assign]
+    params = {"n_parallel": 2, "n_batch": 256, "n_ubatch": 256, "ctx_per_slot": 1024, "type_k": "f16",
+              "type_v": "f16", "flash_attn": "on"}
+    trial.config = dict(params)  # the baseline: no bar
+    kept = trial.step()
+    trial.config = {**params, "n_batch": 512, prune.BAR_KEY: {"single_tok_s": 32.0, "second": 64.0}}
+    pruned = trial.step()
+    assert len(full) == 1 and not kept["pruned"] and kept["single_tok_s"] == 50.0 and kept["short_single_tok_s"] == 10
+    assert pruned["pruned"] and pruned["single_tok_s"] == 0.0 and not pruned["feasible"]
+    assert prune.BAR_KEY not in pruned["params"], "the bar is the searcher's, not a setting"

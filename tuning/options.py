@@ -236,7 +236,8 @@ def _parser() -> argparse.ArgumentParser:
                            "more times, interleaved, and pick on paired ratios (0: pick on the search's figures)")
     pick.add_argument("--confirm-top", type=int, default=d.confirm_top, help="configs of the Pareto front to confirm")
     pick.add_argument("--sampler", choices=[s.value for s in Sampler], default=d.sampler.value,
-                      help="Optuna's sampler")
+                      help="Optuna's sampler; prior: TPE whose first 8 proposals are the space ranked by the memory "
+                           "model and the bandwidth roofline instead of random ones")
     pick.add_argument("--seed", type=int, default=d.seed, help="the sampler's seed")
     prune = pick.add_mutually_exclusive_group()
     prune.add_argument("--prune-below", type=float, default=d.prune_below,
