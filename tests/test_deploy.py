@@ -240,16 +240,6 @@ def test_each_image_pins_the_projects_versions_and_suits_kuberay(kind: str) -> N
     assert runtime.text("USER") == "ray"
 
 
-def _check_manifest() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("check_manifest", ROOT / "scripts" / "check_manifest.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 TINY_CRD = {"spec": {"names": {"kind": "RayService"}, "versions": [{"name": "v1", "schema": {"openAPIV3Schema": {
     "type": "object", "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "spec": {
         "type": "object", "required": ["serveConfigV2"], "properties": {
@@ -267,12 +257,14 @@ TINY_CRD = {"spec": {"names": {"kind": "RayService"}, "versions": [{"name": "v1"
 def test_the_real_crd_check_closes_objects_as_strict_validation_does(tmp_path: Path, spec: dict[str, Any],
                                                                       problem: str | None,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """scripts/check_manifest.py (the check against KubeRay's own CRD, where one is at hand): an object schema
-    that names its properties refuses others, one that keeps unknown fields does not."""
+    """measure/manifest.py (scripts/check_manifest.py: the check against KubeRay's own CRD, where one is at
+    hand): an object schema that names its properties refuses others, one that keeps unknown fields does not."""
     crd, doc = tmp_path / "crd.yaml", tmp_path / "m.yaml"
     crd.write_text(yaml.safe_dump(TINY_CRD))
     doc.write_text(yaml.safe_dump({"apiVersion": "ray.io/v1", "kind": "RayService", "metadata": {"name": "x"},
                                    "spec": spec}))
-    rc = _check_manifest().main(["--crd", str(crd), "--manifest", str(doc)])
+    from measure.manifest import main
+
+    rc = main(["--crd", str(crd), "--manifest", str(doc)])
     out = capsys.readouterr().out
     assert (rc, problem is None or problem in out) == (0 if problem is None else 1, True), out
