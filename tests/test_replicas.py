@@ -209,6 +209,69 @@ def test_a_load_that_hangs_makes_the_replica_unhealthy_after_load_timeout_s(
 
 
 @pytest.mark.engine
+def test_a_replica_that_starts_after_a_publish_loads_the_published_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica back with its node (or scaled up) loads what the others serve, not the app's build config it
+    would serve until its first poll; the next round acknowledges that version without a second switch."""
+    from serving.replica import host as engine_host
+
+    loaded: list[EngineConfig] = []
+
+    def recording_engine(config: EngineConfig, **kwargs: Any) -> Any:
+        loaded.append(config)
+        return SimpleNamespace(requested=config, alive=True, close=lambda: None)
+
+    monkeypatch.setattr(engine_host, "Engine", recording_engine)
+    limits = engine_host.HostLimits(max_queued_requests=4, traffic_record=16, tuning_lease_s=60.0,
+                                    config_poll_s=60.0, load_timeout_s=60.0)
+    channel = FakeChannel()
+    channel.publish(n_parallel=2, n_ctx=512)
+    host = engine_host.EngineHost("r2", limits, channel)
+
+    async def scenario() -> None:
+        await host.take(EngineConfig())  # Serve's user_config: the build config
+        await asyncio.to_thread(host._loaded.wait, 30)
+        await host._follower.poll_once()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        host.close()
+    assert [(c.n_parallel, c.n_ctx) for c in loaded] == [(2, 512)]
+    assert channel.acks == [("r2", "e1", 1, None)]
+
+
+@pytest.mark.engine
+def test_a_starting_replica_loads_the_build_config_when_nothing_was_published_or_the_channel_is_down() -> None:
+    from serving.replica.control import ConfigFollower
+
+    channel, replica = FakeChannel(), FakeReplica()
+    follower = ConfigFollower(channel, "r1", replica.apply, poll_s=0.01)
+
+    async def starts() -> tuple[Any, Any]:
+        nothing = await follower.published(1.0)
+        channel.publish(n_parallel=2, n_ctx=512)
+        channel.fail_latest = 1
+        down = await follower.published(1.0)
+        await follower.poll_once()  # the channel back: the publish applied as any later one
+        return nothing, down
+
+    assert asyncio.run(starts()) == (None, None)
+    assert [c.n_parallel for c in replica.applied] == [2]
+
+
+@pytest.mark.engine
+def test_the_channel_adopts_a_new_user_config_once_and_a_tuner_publish_always_makes_a_version() -> None:
+    from serving.replica.control import ConfigChannel
+
+    channel = ConfigChannel.func_or_class()
+    first = channel.publish(EngineConfig(n_parallel=2, n_ctx=512))
+    assert channel.adopt(EngineConfig(n_parallel=2, n_ctx=512)) == first  # every replica reports the same
+    changed = channel.adopt(EngineConfig(n_parallel=1, n_ctx=512))
+    assert changed.version == first.version + 1 and channel.latest().engine == EngineConfig(n_parallel=1, n_ctx=512)
+    assert channel.publish(EngineConfig(n_parallel=1, n_ctx=512)).version == changed.version + 1  # ends a study
+
+
+@pytest.mark.engine
 def test_follower_survives_a_failed_ack_and_acks_on_the_next_round() -> None:
     from serving.replica.control import ConfigFollower
 

@@ -568,7 +568,9 @@ def test_a_config_already_measured_is_answered_without_measuring_again() -> None
             single_tok_s=10.0, aggregate_tok_s=20.0, ttft_ms=1.0, prefill_tok_s=1.0, nll=2.0, nll_baseline=2.0,
             mem_measured=1, weight_loads=1, weight_load_s=0.1))
 
+    prepared: list[EngineConfig] = []
     trial._measure = fake_measure  # type: ignore[method-assign]
+    trial._prepare = prepared.append  # type: ignore[method-assign]  # no engine built: the reuse is the subject
     params = {"n_parallel": 2, "n_batch": 256, "ctx_per_slot": 1024, "type_k": "f16", "type_v": "f16",
               "flash_attn": "on"}
     results = []
@@ -576,6 +578,7 @@ def test_a_config_already_measured_is_answered_without_measuring_again() -> None
         trial.config = {**params, "n_ubatch": n_ubatch}
         results.append(trial.step())
     assert len(calls) == 1
+    assert prepared == calls, "a config answered from an earlier measurement builds no context either"
     assert [r.get("reused", False) for r in results] == [False, True, True]
     assert all(r["single_tok_s"] == 10.0 for r in results)
 

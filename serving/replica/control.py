@@ -69,6 +69,14 @@ class ConfigChannel:
         self._at = Version(self._at.epoch, self._at.version + 1)
         return self._at
 
+    def adopt(self, engine: EngineConfig) -> Version:
+        """A config Serve's `user_config` gave the replicas (`serve deploy` with a changed file), published unless
+        it is the latest already (each replica reports it): so a replica that starts later loads it, not an
+        older publish. The tuner's `publish` always makes a new version, since a version ends a study."""
+        if engine != self._engine:
+            return self.publish(engine)
+        return self._at
+
     def latest(self) -> Latest:
         return Latest(self._at, self._engine)
 
@@ -99,6 +107,34 @@ class ConfigFollower:
         self.acked: Version | None = None  # the last version the channel has an ack for
         self._error: str | None = None
 
+    async def published(self, timeout_s: float) -> EngineConfig | None:
+        """The config published last, for a replica about to load its first: one that starts after a publish
+        (scaled up, restarted, back with its node) loads it at once rather than serve the app's build config
+        until its first poll. Taken as applied (the next round acknowledges it). None when nothing was
+        published, or the channel does not answer within `timeout_s` (then the next round applies it)."""
+        try:
+            latest: Latest = await asyncio.wait_for(self._latest(), timeout_s)
+            key, engine = latest.at, latest.engine
+        except Exception:
+            log.warning("config channel unreachable at start; loading the app's config, following the channel "
+                        "from the next round", exc_info=True)
+            return None
+        if engine is not None:
+            self.applied = key
+        return engine
+
+    async def adopt(self, engine: EngineConfig) -> None:
+        """Tell the channel of a config Serve gave this replica after its start (ConfigChannel.adopt); a
+        failure is logged: the replica switched, only a later replica's start would miss it."""
+        try:
+            await self._channel.adopt.remote(engine)
+        except Exception:
+            log.warning("telling the config channel of Serve's new user_config failed", exc_info=True)
+
+    async def _latest(self) -> Latest:
+        latest: Latest = await self._channel.latest.remote()
+        return latest
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._poll_s)
@@ -107,7 +143,7 @@ class ConfigFollower:
     async def poll_once(self) -> None:
         """One round; never raises (except CancelledError, which ends the loop)."""
         try:
-            latest: Latest = await self._channel.latest.remote()
+            latest = await self._latest()
             key, engine = latest.at, latest.engine
         except Exception:
             log.warning("config channel unreachable or its answer malformed; trying again next round",

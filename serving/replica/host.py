@@ -32,6 +32,7 @@ log = logging.getLogger("serving")
 
 METRICS_SAMPLE_S = 1.0
 LEASE_CHECK_S = 1.0
+CHANNEL_AT_START_S = 10.0  # how long a starting replica waits for the channel's last publish before loading
 LOAD_FAILED = "the model failed to load; the reason is in the server log"
 
 
@@ -125,11 +126,17 @@ class EngineHost:
 
     # -- config ----------------------------------------------------------------------------------------
     async def take(self, config: EngineConfig) -> None:
-        """Serve's user_config, at start and on every change: the first starts loading (and returns at once:
-        the replica is up, /health says loading); later ones switch the engine."""
+        """Serve's user_config, at start and on every change: the first starts loading (the channel's last
+        publish instead, where there is one, and returns at once: the replica is up, /health says loading);
+        later ones switch the engine and are told to the channel."""
         if self._loader is not None:
             await self.apply(config)
+            await self._follower.adopt(config)
             return
+        published = await self._follower.published(CHANNEL_AT_START_S)
+        if published is not None and published != config:
+            log.info("loading the config last published on the app's channel, not the app's build config")
+            config = published
         self.metrics.model = config.served_name
         self._load_started = time.monotonic()
         self._loader = threading.Thread(target=self._load, args=(config,), daemon=True, name="engine-load")
