@@ -134,6 +134,7 @@ CITY = {"type": "function", "function": {"name": "get_weather", "description": "
                                                         "required": ["city"]}}}
 PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
 REPEATING_SEEDS = (3, 7, 8)  # where, let call again, the model repeats its call until max_tokens=64 cuts one
+WHOLE: dict[str, Any] = {"top_p": 1.0, "extra_body": {"top_k": 0, "min_p": 0.0}}  # the seeds' sampler: no cut
 
 
 @pytest.mark.parametrize("seed", REPEATING_SEEDS)
@@ -143,7 +144,7 @@ def test_a_forced_call_arrives_as_one_call_whole_and_streamed(client: openai.Ope
     the grammar ends the answer after one call. Streamed (an event per token: logprobs), its arguments come
     in pieces as they are generated, after a first delta with its id and name."""
     kw: dict[str, Any] = dict(model=model, messages=PARIS, tools=[CITY], tool_choice="required", max_tokens=64,
-                              temperature=1.0, seed=seed)
+                              temperature=1.0, seed=seed, **WHOLE)
     client.chat.completions.create(**kw)  # the prompt cached for both below: a cold prefill rounds differently
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
@@ -164,7 +165,7 @@ def test_parallel_forced_calls_cut_by_max_tokens_keep_the_complete_ones(client: 
     for seed in REPEATING_SEEDS:
         choice = client.chat.completions.create(model=model, messages=PARIS, tools=[CITY], tool_choice="required",
                                                 parallel_tool_calls=True, max_tokens=64, temperature=1.0,
-                                                seed=seed).choices[0]
+                                                seed=seed, **WHOLE).choices[0]
         reasons.append(choice.finish_reason)
         assert choice.message.content is None and choice.message.tool_calls
         for call in choice.message.tool_calls:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -135,15 +136,30 @@ class RequestBody(BaseModel):
         return sorted(k for k, v in extra.items() if k not in self.NO_EFFECT and v not in self.IDLE)
 
 
+@dataclass(frozen=True)
+class DefaultSampler:
+    """What a request leaves unsent samples as on every route: llama-server's defaults (its common/common.h),
+    so a model answers as it does there. OpenAI's and Anthropic's own default, temperature 1.0 with no cut,
+    leaves a small quantised model's long tail in: off-topic words mid-answer."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+
+
+DEFAULT_SAMPLER = DefaultSampler()
+
+
 class _SamplingFields(RequestBody):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's plus llama-server's extensions)."""
 
     model: Text | None = None
     max_tokens: int | None = Field(None, ge=1, description="default: until the slot's context is full")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=INT32_MAX, description="0 = off")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    temperature: float = Field(DEFAULT_SAMPLER.temperature, ge=0.0, le=2.0, description="llama-server's default")
+    top_p: float = Field(DEFAULT_SAMPLER.top_p, gt=0.0, le=1.0, description="llama-server's default")
+    top_k: int = Field(DEFAULT_SAMPLER.top_k, ge=0, le=INT32_MAX, description="0 = off; llama-server's default")
+    min_p: float = Field(DEFAULT_SAMPLER.min_p, ge=0.0, le=1.0, description="llama-server's default")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repeat_penalty: float = Field(1.0, gt=0.0)
@@ -331,8 +347,8 @@ class ResponsesRequest(RequestBody):
     input: Text | list[ResponsesInputMessage] = Field(..., min_length=1)
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(DEFAULT_SAMPLER.temperature, ge=0.0, le=2.0, description="llama-server's default")
+    top_p: float = Field(DEFAULT_SAMPLER.top_p, gt=0.0, le=1.0, description="llama-server's default")
     stream: bool = False
     text: ResponsesText | None = None
     truncation: Literal["disabled"] | None = None
@@ -345,7 +361,8 @@ class ResponsesRequest(RequestBody):
         return [*out, *({"role": m.role, "content": m.text()} for m in self.input)]
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p)
+        return SamplingParams(max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=DEFAULT_SAMPLER.top_k, min_p=DEFAULT_SAMPLER.min_p)
 
 
 class TokenizeRequest(BaseModel):
