@@ -333,7 +333,7 @@ BAD_REQUESTS = [
                                "application/json"), 400, None),
     ("infinite repeat_penalty", COMP, (RAW, b'{"prompt": "x", "repeat_penalty": Infinity}', "application/json"),
      400, None),
-    ("null temperature", CHAT, {"messages": MSG, "temperature": None}, 400, None),
+    ("string temperature", CHAT, {"messages": MSG, "temperature": "hot"}, 400, None),
     ("null messages", CHAT, {"messages": None}, 400, None),
     ("negative max_tokens", COMP, {"prompt": "x", "max_tokens": -3}, 400, None),
     ("huge max_tokens", COMP, {"prompt": "x", "max_tokens": 10**30}, 400, "context_length_exceeded"),
@@ -545,8 +545,10 @@ class ScriptedEngine:
     def __init__(self) -> None:
         from serving.engine.config import EngineConfig
         from serving.engine.request import FinishReason, GenerationChunk, Usage
+        from serving.engine.sampler_defaults import LLAMA_SERVER
 
         self.config = EngineConfig(model_alias="scripted", n_ctx=1024, n_parallel=1)
+        self.sampler_defaults = LLAMA_SERVER
         self.fingerprint = self.config.fingerprint()
         self.n_ctx_slot, self.n_vocab, self.n_ctx_train = 1024, 1000, 2048
         self.fail: Exception | None = None

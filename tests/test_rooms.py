@@ -15,7 +15,8 @@ pytestmark = pytest.mark.unit
 LIBLLAMA = ("llama_cpp", "serving.engine.llama", "serving.engine.core", "serving.openai.structured")
 SERVING = Path(__file__).resolve().parents[1] / "serving"
 PARTS = ("engine", "openai", "front", "replica")
-ENGINE_PUBLIC = frozenset({"core", "config", "request", "errors", "chat_template", "traffic"})  # what openai/ may use
+ENGINE_PUBLIC = frozenset({"core", "config", "request", "errors", "chat_template", "traffic",
+                           "sampler_defaults"})  # what openai/ may use
 
 
 def _loaded_after(module: str) -> set[str]:

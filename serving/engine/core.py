@@ -46,6 +46,7 @@ from serving.engine.output import OutputProcessor  # noqa: E402
 from serving.engine.prompt_cache import PromptCache  # noqa: E402
 from serving.engine.repack import use_extra_bufts  # noqa: E402
 from serving.engine.request import Constraint, Request, RequestHandle, SamplingParams  # noqa: E402
+from serving.engine.sampler_defaults import SamplerDefaults  # noqa: E402
 from serving.engine.scheduler import RequestOutput, Scheduler  # noqa: E402
 from serving.engine.stats import EngineStats  # noqa: E402
 from serving.engine.traffic import (DEFAULT_LIMIT, RequestShape, ShapeInProgress, TrafficRecord,  # noqa: E402
@@ -101,6 +102,7 @@ class Engine:
         self.weight_load_s = 0.0
         self._model_lock = threading.Lock()  # guards self._model against a swap while a caller tokenises
         self._model: LlamaModel | None = self._load_model(config)
+        self.sampler_defaults = SamplerDefaults.of_model(config.model_path.name, self._model.metadata)
         try:
             self._template = self._chat_template(self._model, config)
         except EngineError:
@@ -589,6 +591,7 @@ class Engine:
             with self._model_lock:
                 self._model = model
             self._outputs.rebind(model.token_bytes)
+            self.sampler_defaults = SamplerDefaults.of_model(config.model_path.name, model.metadata)
         self._template = template
         self._ctx, self.config, self._n_ctx_slot = ctx, config, ctx.n_ctx_seq
         self.fingerprint = config.fingerprint()

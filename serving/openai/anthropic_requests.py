@@ -18,9 +18,10 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from serving.engine.request import Constraint, SamplingParams
+from serving.engine.sampler_defaults import LLAMA_SERVER, SamplerDefaults
 from serving.front.errors import APIError
-from serving.openai.requests import (DEFAULT_SAMPLER, INT32_MAX, MAX_STOP_STRINGS, NO_EFFECT_FIELDS, RequestBody,
-                                     StopString, Text)
+from serving.openai.requests import (INT32_MAX, MAX_STOP_STRINGS, NO_EFFECT_FIELDS, RequestBody, StopString, Text,
+                                     unsent)
 
 ANTHROPIC_NO_EFFECT = NO_EFFECT_FIELDS | {  # accepted: they never change what is generated
     "cache_control", "inference_geo", "speed", "diagnostics", "user_profile_id", "workspace_id",
@@ -209,20 +210,22 @@ class MessagesRequest(MessagesBody):
 
     max_tokens: int = Field(..., ge=1, description="at most this many tokens; fewer when the slot's context "
                             "ends first (stop_reason model_context_window_exceeded)")
-    temperature: float = Field(DEFAULT_SAMPLER.temperature, ge=0.0, le=1.0, description="llama-server's default")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=1.0, description=unsent("temp", LLAMA_SERVER.temperature))
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description=unsent("top_p", LLAMA_SERVER.top_p))
+    top_k: int | None = Field(None, ge=0, le=INT32_MAX, description=unsent("top_k", LLAMA_SERVER.top_k))
     stop_sequences: list[StopString] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
 
-    def sampling_params(self, max_tokens: int, constraint: Constraint | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, constraint: Constraint | None,
+                        defaults: SamplerDefaults = LLAMA_SERVER) -> SamplingParams:
         """The engine's parameters; `max_tokens` as the route fits it to the slot. Anthropic's samplers are
-        temperature, top_p and top_k, llama-server's defaults where unsent (min-p too, which the API lacks); no
+        temperature, top_p and top_k, the model's defaults where unsent (min-p too, which the API lacks); no
         repeat penalty, as its API has none."""
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                              top_p=DEFAULT_SAMPLER.top_p if self.top_p is None else self.top_p,
-                              top_k=DEFAULT_SAMPLER.top_k if self.top_k is None else self.top_k,
-                              min_p=DEFAULT_SAMPLER.min_p, repeat_penalty=1.0, penalty_last_n=0,
+        return SamplingParams(max_tokens=max_tokens,
+                              temperature=defaults.temperature if self.temperature is None else self.temperature,
+                              top_p=defaults.top_p if self.top_p is None else self.top_p,
+                              top_k=defaults.top_k if self.top_k is None else self.top_k,
+                              min_p=defaults.min_p, repeat_penalty=1.0, penalty_last_n=0,
                               stop=tuple(s for s in self.stop_sequences or () if s), constraint=constraint)
 
 

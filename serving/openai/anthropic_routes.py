@@ -123,8 +123,8 @@ class MessagesRoutes:
             except (GrammarError, ValueError) as exc:
                 raise APIError(400, str(exc), param="output_config.format.schema") from exc
         max_tokens = max(1, min(body.max_tokens, engine.n_ctx_slot - len(turn.tokens)))
-        handle = self._submit(engine, turn.tokens, body.sampling_params(max_tokens, constraint), body.stream,
-                              request)
+        params = body.sampling_params(max_tokens, constraint, engine.sampler_defaults)
+        handle = self._submit(engine, turn.tokens, params, body.stream, request)
         thinking_open = turn.prompt.rstrip().endswith(THINK_START)
         state = ChoiceState(0, reasoning=True, thinking_open=thinking_open, tools=turn.plan.calls)
         return MessageAnswer(engine.config.served_name, len(turn.tokens), body.max_tokens, state), handle

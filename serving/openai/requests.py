@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serving.engine.request import Constraint, SamplingParams
+from serving.engine.sampler_defaults import LLAMA_SERVER, SamplerDefaults
 from serving.openai.reasoning import ReasoningFormat
 
+T = TypeVar("T")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # stop strings are matched against the text on every token: keep each one short
 INT32_MAX = 2**31 - 1  # llama.cpp's top_k and penalty_last_n are int32
@@ -136,19 +137,13 @@ class RequestBody(BaseModel):
         return sorted(k for k, v in extra.items() if k not in self.NO_EFFECT and v not in self.IDLE)
 
 
-@dataclass(frozen=True)
-class DefaultSampler:
-    """What a request leaves unsent samples as on every route: llama-server's defaults (its common/common.h),
-    so a model answers as it does there. OpenAI's and Anthropic's own default, temperature 1.0 with no cut,
-    leaves a small quantised model's long tail in: off-topic words mid-answer."""
-
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
+def unsent(key: str, value: float) -> str:
+    """A sampler field's description: what an unsent value samples as."""
+    return f"default: the model's general.sampling.{key}, else llama-server's {value}"
 
 
-DEFAULT_SAMPLER = DefaultSampler()
+def _sent(value: T | None, default: T) -> T:
+    return default if value is None else value
 
 
 class _SamplingFields(RequestBody):
@@ -156,14 +151,16 @@ class _SamplingFields(RequestBody):
 
     model: Text | None = None
     max_tokens: int | None = Field(None, ge=1, description="default: until the slot's context is full")
-    temperature: float = Field(DEFAULT_SAMPLER.temperature, ge=0.0, le=2.0, description="llama-server's default")
-    top_p: float = Field(DEFAULT_SAMPLER.top_p, gt=0.0, le=1.0, description="llama-server's default")
-    top_k: int = Field(DEFAULT_SAMPLER.top_k, ge=0, le=INT32_MAX, description="0 = off; llama-server's default")
-    min_p: float = Field(DEFAULT_SAMPLER.min_p, ge=0.0, le=1.0, description="llama-server's default")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description=unsent("temp", LLAMA_SERVER.temperature))
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description=unsent("top_p", LLAMA_SERVER.top_p))
+    top_k: int | None = Field(None, ge=0, le=INT32_MAX, description="0 = off; " + unsent("top_k", LLAMA_SERVER.top_k))
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description=unsent("min_p", LLAMA_SERVER.min_p))
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repeat_penalty: float = Field(1.0, gt=0.0)
-    repeat_last_n: int = Field(64, ge=-1, le=INT32_MAX, description="-1 = the whole slot")
+    repeat_penalty: float | None = Field(None, gt=0.0, description=unsent("penalty_repeat",
+                                                                          LLAMA_SERVER.repeat_penalty))
+    repeat_last_n: int | None = Field(None, ge=-1, le=INT32_MAX, description="-1 = the whole slot; " + unsent(
+        "penalty_last_n", LLAMA_SERVER.repeat_last_n))
     seed: int | None = Field(None, ge=-1, le=UINT32_MAX, description="llama.cpp seeds are 32-bit; -1 = random")
     stop: StopString | list[StopString] | None = None
     stream: bool = False
@@ -211,16 +208,20 @@ class _SamplingFields(RequestBody):
         """None: no logprobs; k >= 0: the chosen token's and the k most likely (per endpoint's fields)."""
         return None
 
-    def sampling_params(self, n_ctx_slot: int | None = None, constraint: Constraint | None = None) -> SamplingParams:
-        """The engine's parameters; `repeat_last_n` is capped at the slot (a penalty window longer than
-        what a slot holds means the same, and llama.cpp allocates the window up front)."""
+    def sampling_params(self, n_ctx_slot: int | None = None, constraint: Constraint | None = None,
+                        defaults: SamplerDefaults = LLAMA_SERVER) -> SamplingParams:
+        """The engine's parameters, `defaults` (the model's) where a setting is unsent; `repeat_last_n` is
+        capped at the slot (a penalty window longer than what a slot holds means the same, and llama.cpp
+        allocates the window up front)."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        last_n = self.repeat_last_n
+        last_n = _sent(self.repeat_last_n, defaults.repeat_last_n)
         if n_ctx_slot is not None:
             last_n = n_ctx_slot if last_n < 0 else min(last_n, n_ctx_slot)
         return SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, repeat_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
+            max_tokens=self.max_tokens, temperature=_sent(self.temperature, defaults.temperature),
+            top_p=_sent(self.top_p, defaults.top_p), top_k=_sent(self.top_k, defaults.top_k),
+            min_p=_sent(self.min_p, defaults.min_p),
+            repeat_penalty=_sent(self.repeat_penalty, defaults.repeat_penalty), presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, penalty_last_n=max(last_n, 0),
             seed=None if self.seed is None or self.seed < 0 else self.seed,
             stop=tuple(s for s in stops if s), ignore_eos=self.ignore_eos, logit_bias=self.bias(),
@@ -347,8 +348,8 @@ class ResponsesRequest(RequestBody):
     input: Text | list[ResponsesInputMessage] = Field(..., min_length=1)
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(DEFAULT_SAMPLER.temperature, ge=0.0, le=2.0, description="llama-server's default")
-    top_p: float = Field(DEFAULT_SAMPLER.top_p, gt=0.0, le=1.0, description="llama-server's default")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description=unsent("temp", LLAMA_SERVER.temperature))
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description=unsent("top_p", LLAMA_SERVER.top_p))
     stream: bool = False
     text: ResponsesText | None = None
     truncation: Literal["disabled"] | None = None
@@ -360,9 +361,12 @@ class ResponsesRequest(RequestBody):
             return [*out, {"role": "user", "content": self.input}]
         return [*out, *({"role": m.role, "content": m.text()} for m in self.input)]
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=DEFAULT_SAMPLER.top_k, min_p=DEFAULT_SAMPLER.min_p)
+    def sampling_params(self, defaults: SamplerDefaults = LLAMA_SERVER) -> SamplingParams:
+        """The engine's parameters; the API has temperature and top_p: the other cuts are the model's defaults
+        (and no repeat penalty: OpenAI's APIs have none)."""
+        return SamplingParams(max_tokens=self.max_output_tokens, temperature=_sent(self.temperature,
+                              defaults.temperature), top_p=_sent(self.top_p, defaults.top_p),
+                              top_k=defaults.top_k, min_p=defaults.min_p)
 
 
 class TokenizeRequest(BaseModel):

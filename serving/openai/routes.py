@@ -338,9 +338,12 @@ class OpenAIRoutes:
             _check_request(engine, body)
             messages = body.messages()
             _, tokens = await prepare(request, lambda: rendered(engine, messages, None, {}, request))
-            handle = self._submit(engine, tokens, body.sampling_params(), 1, param="input", streamed=body.stream,
+            params = body.sampling_params(engine.sampler_defaults)
+            handle = self._submit(engine, tokens, params, 1, param="input", streamed=body.stream,
                                   scope=request.scope)[0]
-        answer = ResponsesAnswer(engine.config.served_name, body.model_dump(mode="json"))
+        # the response names the temperature and top_p it sampled with, sent or not
+        answer = ResponsesAnswer(engine.config.served_name, {**body.model_dump(mode="json"),
+                                                             "temperature": params.temperature, "top_p": params.top_p})
         state = ChoiceState(0)
         if body.stream:
             return StreamingResponse(self._responses_stream(handle, answer, state, request_id(request.headers)),
@@ -531,7 +534,7 @@ def _constraint(body: Any, tool_call: Constraint | None) -> Constraint | None:
 
 def _params(body: Any, engine: Engine, constraint: Constraint | None) -> SamplingParams:
     try:
-        return body.sampling_params(engine.n_ctx_slot, constraint)
+        return body.sampling_params(engine.n_ctx_slot, constraint, engine.sampler_defaults)
     except ValueError as exc:
         raise APIError(400, str(exc), param="logit_bias") from exc
 
