@@ -14,7 +14,7 @@ from tuning import prune
 from tuning.compare import StudyRun, compare, table
 from tuning.prior import kv_bytes_per_cell, predict_rates, rank
 from tuning.report import TrialRow, finished_s, pick, prune_saving, rows_from_study, time_to
-from tuning.results import TrialResult
+from tuning.results import Objective, TrialResult
 from tuning.space import SearchSpace, suggest, to_engine_config
 
 SHAPE = ModelShape(arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim_k=128, head_dim_v=128,
@@ -94,18 +94,39 @@ def test_the_prior_sampler_walks_the_ranking_skips_lossy_kv_types_and_leaves_the
 
 
 # -- pruning ------------------------------------------------------------------------------------------------
+def measured(short: tuple[float, float], full: tuple[float, float] | None, feasible: bool = True) -> prune.Measured:
+    return prune.Measured(prune.Short(*short), None if full is None else prune.Short(*full), feasible)
+
+
 @pytest.mark.unit
 def test_a_trial_behind_on_every_objective_the_pick_reads_is_pruned() -> None:
-    shorts = [prune.Short(100.0, 200.0), prune.Short(90.0, 300.0)]
-    line = prune.bar(shorts, "balanced", 0.8)
-    assert line == prune.Bar(single_tok_s=80.0, second=240.0)
+    trials = [measured((100.0, 200.0), (110.0, 210.0)), measured((90.0, 300.0), (95.0, 320.0))]
+    line = prune.bar(trials, "balanced", 0.8)
+    assert line == prune.Bar(single_tok_s=80.0, second=240.0), "each objective's leader's short figure"
     assert prune.behind(prune.Short(70.0, 200.0), line)
     assert not prune.behind(prune.Short(70.0, 250.0), line), "ahead on one objective the balanced pick reads"
-    single = prune.bar(shorts, "single", 0.8)
+    single = prune.bar(trials, "single", 0.8)
     assert single is not None and prune.behind(prune.Short(70.0, 1000.0), single)
-    assert prune.bar(shorts, "balanced", 0.0) is None and prune.bar([], "balanced", 0.8) is None
+    assert prune.bar(trials, "balanced", 0.0) is None and prune.bar([], "balanced", 0.8) is None
     assert prune.Bar.from_dict(line.to_dict()) == line
     assert prune.short_tokens(64) == 16 and prune.short_tokens(8) == 8
+
+
+@pytest.mark.unit
+def test_one_short_run_reading_high_does_not_set_the_bar() -> None:
+    """The CPU studies that pruned every trial from their seventh on: a short run that read high, and a full
+    run that did not, set the bar above what later short runs reached. The bar is the leader's (best in
+    full) short figure, the leader is feasible, and after three prunes in a row a trial is measured in full."""
+    lucky = measured((200.0, 400.0), (100.0, 200.0))
+    leader = measured((110.0, 220.0), (120.0, 240.0))
+    assert prune.bar([lucky, leader], "balanced", 0.8) == prune.Bar(single_tok_s=88.0, second=176.0)
+    refused = measured((300.0, 600.0), (300.0, 600.0), feasible=False)  # fast, and refused by the quality probe
+    assert prune.bar([leader, refused], "balanced", 0.8) == prune.Bar(single_tok_s=88.0, second=176.0)
+    assert prune.bar([refused], "balanced", 0.8) is None, "no feasible leader yet: measure in full"
+    behind = measured((10.0, 10.0), None)
+    assert prune.bar([leader, behind, behind], "balanced", 0.8) is not None
+    assert prune.pruned_in_a_row([leader, behind, behind, behind]) == prune.MAX_PRUNED_IN_A_ROW
+    assert prune.bar([leader, behind, behind, behind], "balanced", 0.8) is None, "then one trial in full"
 
 
 def row(number: int, single: float, second: float, **kw: Any) -> TrialRow:
@@ -203,7 +224,8 @@ def test_the_searcher_passes_a_bar_but_not_to_the_baseline_and_tells_a_pruned_tr
         space=SpaceFunction(space, [1024], None), metric=["single_tok_s", "aggregate_tok_s"], mode=["max", "max"],
         points_to_evaluate=[baseline], sampler=optuna.samplers.RandomSampler(seed=0), study_name="prune",
         storage=optuna.storages.InMemoryStorage(), first_is_baseline=True,
-        canonical=partial(to_engine_config, base=EngineConfig()), prune_prefer="balanced", prune_below=0.8)
+        canonical=partial(to_engine_config, base=EngineConfig()), objective=Objective.aggregate,
+        prune_prefer="balanced", prune_below=0.8)
     first = searcher.suggest("t0")
     assert first is not None and prune.BAR_KEY not in first, "the baseline is never pruned: no bar"
     searcher.on_trial_complete("t0", result={"single_tok_s": 50.0, "aggregate_tok_s": 90.0, "params": baseline,

@@ -592,6 +592,7 @@ def test_a_proposal_the_study_already_measured_is_answered_from_it_not_run() -> 
     import optuna
 
     from tuning.recording import RecordingOptunaSearch
+    from tuning.results import Objective
     from tuning.space import SpaceFunction
 
     space = SearchSpace(n_parallel=[1], n_batch=[256, 512], n_ubatch=[256, 512], ctx_per_slot=[1024],
@@ -600,7 +601,7 @@ def test_a_proposal_the_study_already_measured_is_answered_from_it_not_run() -> 
     searcher = RecordingOptunaSearch(
         space=SpaceFunction(space, [1024], None), metric=["single_tok_s", "aggregate_tok_s"], mode=["max", "max"],
         sampler=optuna.samplers.RandomSampler(seed=3), study_name="dedup", storage=optuna.storages.InMemoryStorage(),
-        first_is_baseline=False, canonical=canonical)
+        first_is_baseline=False, canonical=canonical, objective=Objective.aggregate)
     ran = []
     for i in range(3):
         params = searcher.suggest(f"t{i}")

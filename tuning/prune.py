@@ -1,14 +1,18 @@
 """Short first: a trial is measured short (fewer tokens, one round), and the full measurement is skipped when
-that short figure is clearly behind the best short figure of the study so far.
+that short figure is clearly behind the leader's short figure.
 
 A trial is pruned when it is behind the bar on every objective the pick reads (`--prefer`: single reads the single
 stream, aggregate the second objective, balanced both): a config clearly behind on all of them cannot become the
 pick, while one behind on a single objective still can (the balanced pick of a study whose slots rarely pay can be
-its best single stream). The bar is `--prune-below` (0.8) times the best short figure per objective, each over the
-short figures of the trials measured so far (possibly two different trials): short is compared with short, as a
-short run of few tokens reads lower than a full one. The baseline (the article's config) and the confirmation
-round are never pruned, and a pruned trial, having no full figures, is never the pick (the report reads only
-complete trials).
+its best single stream). The bar is `--prune-below` (0.8) times the leader's short figure per objective: the
+leader is the feasible trial with the best FULL figure on that objective (possibly two different trials), and
+short is compared with short, as a short run of few tokens reads lower than a full one. The best short figure
+alone made a bad bar: one short run reading high on a noisy machine set it above what later trials' short runs
+reach, and two CPU studies pruned every trial from their seventh on (docs/log/2026-12-07-cpu-sampler-compare.md);
+a leader is chosen by a full measurement, so one lucky short run no longer sets the bar. For the same reason,
+after MAX_PRUNED_IN_A_ROW prunes in a row the next trial is measured in full. The baseline (the article's config)
+and the confirmation round are never pruned, and a pruned trial, having no full figures, is never the pick (the
+report reads only complete trials).
 
 Pure: the rule and the bar's transport to the trial (a plain dict in the trial's config, under BAR_KEY).
 """
@@ -23,6 +27,7 @@ BAR_KEY = "short_bar"  # the trial config's key the searcher passes the bar unde
 DEFAULT_PRUNE_BELOW = 0.8
 SHORT_GEN_FRACTION = 0.25  # a short measurement generates this share of --gen-tokens, in one round
 SHORT_MIN_TOKENS = 8
+MAX_PRUNED_IN_A_ROW = 3  # then one trial in full: the bar may be what is wrong, not the trials
 
 
 @dataclass(frozen=True)
@@ -53,13 +58,38 @@ def reads(prefer: str) -> tuple[bool, bool]:
     return {"single": (True, False), "aggregate": (False, True)}.get(prefer, (True, True))
 
 
-def bar(shorts: Sequence[Short], prefer: str, fraction: float) -> Bar | None:
-    """The bar from the short figures measured so far; None when pruning is off or nothing was measured."""
-    if fraction <= 0 or not shorts:
+@dataclass(frozen=True)
+class Measured:
+    """A trial of the study as the bar reads it: its short figures, and its full ones unless it was pruned."""
+
+    short: Short
+    full: Short | None
+    feasible: bool
+
+
+def bar(trials: Sequence[Measured], prefer: str, fraction: float) -> Bar | None:
+    """The bar from the trials measured so far, in study order; None (measure in full) when pruning is off, no
+    feasible trial was measured in full yet, or the last MAX_PRUNED_IN_A_ROW trials were all pruned."""
+    if fraction <= 0 or pruned_in_a_row(trials) >= MAX_PRUNED_IN_A_ROW:
+        return None
+    leaders = [t for t in trials if t.full is not None and t.feasible]
+    if not leaders:
         return None
     single, second = reads(prefer)
-    return Bar(single_tok_s=fraction * max(s.single_tok_s for s in shorts) if single else None,
-               second=fraction * max(s.second for s in shorts) if second else None)
+    by_single = max(leaders, key=lambda t: t.full.single_tok_s if t.full else 0.0)
+    by_second = max(leaders, key=lambda t: t.full.second if t.full else 0.0)
+    return Bar(single_tok_s=fraction * by_single.short.single_tok_s if single else None,
+               second=fraction * by_second.short.second if second else None)
+
+
+def pruned_in_a_row(trials: Sequence[Measured]) -> int:
+    """How many of the last trials were pruned, counting back to the last one measured in full."""
+    count = 0
+    for trial in reversed(trials):
+        if trial.full is not None:
+            break
+        count += 1
+    return count
 
 
 def behind(short: Short, line: Bar) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 from ray.tune.search.optuna import OptunaSearch
 
 from tuning import prune
-from tuning.results import TrialResult
+from tuning.results import Objective, TrialResult
 
 MAX_ANSWERED = 10  # proposals answered from the study per suggestion before one runs anyway (a small space)
 
@@ -34,8 +34,10 @@ class RecordingOptunaSearch(OptunaSearch):
     """OptunaSearch plus user attributes: `recorded` result keys, the params, and the baseline mark."""
 
     def __init__(self, *args: Any, first_is_baseline: bool, canonical: Callable[[dict[str, Any]], Hashable],
-                 prune_prefer: str = "balanced", prune_below: float = 0.0, **kwargs: Any) -> None:
+                 objective: Objective, prune_prefer: str = "balanced", prune_below: float = 0.0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._objective = objective  # the second objective: the bar's leader on it is read from its full figure
         self._first_is_baseline = first_is_baseline
         self._canonical = canonical  # params -> the engine they make (tuning.space.to_engine_config)
         self._prune_prefer, self._prune_below = prune_prefer, prune_below  # --prefer, --prune-below (0: off)
@@ -61,9 +63,11 @@ class RecordingOptunaSearch(OptunaSearch):
         study: Any = self._ot_study
         records = [TrialResult.from_attrs(t.user_attrs)
                    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))]
-        shorts = [prune.Short(r.short_single_tok_s, r.short_second or 0.0) for r in records
-                  if r.short_single_tok_s is not None and r.answered_from is None]
-        return prune.bar(shorts, self._prune_prefer, self._prune_below)
+        measured = [prune.Measured(prune.Short(r.short_single_tok_s, r.short_second or 0.0),
+                                   None if r.pruned else prune.Short(r.single_tok_s, r.second(self._objective)),
+                                   r.feasible)
+                    for r in records if r.short_single_tok_s is not None and r.answered_from is None]
+        return prune.bar(measured, self._prune_prefer, self._prune_below)
 
     def _measured_twin(self, params: dict[str, Any]) -> Any:
         from optuna.trial import TrialState

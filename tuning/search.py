@@ -164,7 +164,7 @@ def make_searcher(plan: StudyPlan, storage: Any) -> Any:
         points_to_evaluate=[baseline] if baseline else None,
         sampler=make_sampler(plan), study_name=plan.study_name, storage=storage, seed=opts.seed,
         first_is_baseline=baseline is not None, canonical=partial(to_engine_config, base=plan.base),
-        prune_prefer=opts.prefer.value, prune_below=plan.settings.prune_below,
+        objective=opts.objective, prune_prefer=opts.prefer.value, prune_below=plan.settings.prune_below,
     )
 
 
