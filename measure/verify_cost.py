@@ -25,6 +25,17 @@ def timed_decode(ctx: LlamaContext, tokens: list[int], pos: int) -> float:
     return time.perf_counter() - t0
 
 
+def prefill(ctx: LlamaContext, tokens: list[int], n_batch: int) -> None:
+    """Cache `tokens` for sequence 0 from position 0, `n_batch` a decode (what the context's batch holds): the
+    depth a verify is timed at, untimed. One decode of the whole depth overflowed the batch at 64k."""
+    for start in range(0, len(tokens), n_batch):
+        chunk = tokens[start:start + n_batch]
+        ctx.clear_batch()
+        ctx.batch.add(chunk, start, 0, logits_for_last=True)
+        if ctx.decode() != 0:
+            raise SystemExit(f"llama_decode failed caching {len(tokens)} tokens (at {start})")
+
+
 REPEATS = 7  # timed decodes per row count (median kept), after one untimed
 
 
@@ -38,7 +49,7 @@ def row_costs(config: EngineConfig, depth: int, most: int) -> dict[int, float]:
     vocab = model.n_vocab
     token = [(3 + 7 * j) % (vocab - 10) + 5 for j in range(most + 3)]
     try:
-        timed_decode(ctx, [(17 + 31 * i) % (vocab - 10) + 5 for i in range(depth)], 0)
+        prefill(ctx, [(17 + 31 * i) % (vocab - 10) + 5 for i in range(depth)], config.n_batch)
         one: list[float] = []
         verify: dict[int, list[float]] = {k: [] for k in range(2, most + 1)}
         after: dict[int, list[float]] = {k: [] for k in range(2, most + 1)}

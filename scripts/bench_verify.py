@@ -30,7 +30,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from serving.engine.llama import LlamaContext, LlamaModel  # noqa: E402  (first: the library load order)
 from measure.provenance import provenance, write_report  # noqa: E402
-from measure.verify_cost import timed_decode  # noqa: E402
+from measure.verify_cost import prefill, timed_decode  # noqa: E402
 from serving.engine.config import CacheType, EngineConfig, FlashAttn  # noqa: E402
 from serving.engine.config import default_threads  # noqa: E402
 from serving.engine.repack import use_extra_bufts  # noqa: E402
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = LlamaContext(model, config, default_threads())
     vocab = model.n_vocab
     prompt = [(17 + 31 * i) % (vocab - 10) + 5 for i in range(args.depth)]
-    timed_decode(ctx, prompt, 0)
+    prefill(ctx, prompt, config.n_batch)
     ks = [k for k in (1, 2, 4, 8, 16, 32) if k <= args.max_k]
     times: dict[int, list[float]] = {k: [] for k in ks}
     # Each k runs as a burst of consecutive decodes, the first of which is dropped: a change of batch shape

@@ -557,3 +557,25 @@ def test_prompt_cache_counts_reach_the_metrics() -> None:
         "llm_prompt_cache_entries": 2.0}
     later = replace(cache, hits=5, hit_tokens=100, entries=1, bytes=300)
     assert lines(metrics.exposition(_stats(Counters(), prompt_cache=later)))["llm_prompt_cache_hits_total"] == 5.0
+
+
+@pytest.mark.engine
+def test_the_verify_benchmark_caches_a_depth_longer_than_its_batch() -> None:
+    """scripts/bench_verify.py at 64k cached tokens put the whole depth in one batch of 512 rows and failed on
+    the GPU; the depth is cached a batch at a time, and a decode after it lands where it should."""
+    from serving.engine.llama import LlamaContext, LlamaModel  # first: the library load order
+    from measure.verify_cost import prefill, timed_decode
+    from serving.engine.config import EngineConfig, default_threads
+
+    config = EngineConfig(n_parallel=1, n_ctx=1536, n_batch=512, n_ubatch=512)
+    model = LlamaModel(config.model_path, config.n_gpu_layers)
+    ctx = LlamaContext(model, config, default_threads())
+    try:
+        depth = 1100  # two full batches and part of a third
+        prefill(ctx, [(17 + 31 * i) % 1000 + 5 for i in range(depth)], config.n_batch)
+        assert ctx.pos_min(0) == 0
+        assert timed_decode(ctx, [7], depth) > 0
+        assert ctx.forget(0, depth) and ctx.pos_min(0) == 0
+    finally:
+        ctx.free()
+        model.free()
