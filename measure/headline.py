@@ -21,6 +21,12 @@ still runs. Per trace the report gives goodput (requests and output tokens a sec
 met the SLO, measure/slo.py), throughput, TTFT/ITL p50/p95, failed requests and their first errors, and every
 target's goodput against `defaults` (the median over rounds of the ratio within a round).
 
+Several rates (`--rate-scale 0.25,0.5,1`) replay each trace at each, as traces of their own (`chat@0.5x`), and
+add the question users ask: how many requests a second each target holds within the SLO, the highest rate at
+which it met the SLO in every round. One rate answers it badly either way: where every target meets the SLO,
+goodput is the offered rate for all; where none does (the first H100 run: 2.6 chat requests a second, every
+target's TTFT p95 over 10 s), the ratio compares queues.
+
     python scripts/bench_headline.py --model MODEL.gguf --llama-server .llama-build/bin/llama-server \\
         --trace chat=traces/chat.jsonl --trace agent=traces/agent.jsonl --slo ttft_p95=2s,itl_p95=150ms \\
         --ours chat=tuned_chat.yaml --ours agent=tuned_agent.yaml --out results/headline.json
@@ -102,7 +108,7 @@ class TargetSpec:
     only: tuple[str, ...] = ()
 
     def replays(self, trace: str) -> bool:
-        return not self.only or trace in self.only
+        return not self.only or base_trace(trace) in self.only
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "server_args": list(self.server_args),
@@ -192,8 +198,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vram-budget", type=byte_size, metavar="SIZE",
                    help="GPU memory every target may use, e.g. 32GiB: llama-server gets --fit-target so that it "
                         "sees that much free, ours vram_budget (needs a GPU)")
-    p.add_argument("--rate-scale", type=positive_float, default=1.0, metavar="X",
-                   help="arrivals X times as fast as the trace's timestamps (default 1)")
+    p.add_argument("--rate-scale", type=rate_scales, default=(1.0,), metavar="X[,X...]",
+                   help="arrivals X times as fast as the trace's timestamps (default 1); several: each trace at "
+                        "each, and the highest rate each target holds within the SLO")
     p.add_argument("--requests", type=positive_int, metavar="N", help="each trace's first N requests (default: all)")
     p.add_argument("--rounds", type=positive_int, default=1, metavar="R",
                    help="rounds, the target order rotated each round; ratios are paired by round (default 1)")
@@ -267,9 +274,29 @@ def _own(name: str, traces: set[str]) -> tuple[str, ...]:
     return (name,) if name in traces else ()
 
 
-def load_traces(named: Sequence[tuple[str, Path]], requests: int | None, rate_scale: float
+RATE_MARK = "@"  # a trace replayed at one of several rates: NAME@0.5x
+
+
+def rate_scales(text: str) -> tuple[float, ...]:
+    """`--rate-scale`: one scale or several, comma-separated, each above 0, none twice; in ascending order."""
+    scales = [positive_float(part.strip()) for part in text.split(",") if part.strip()]
+    if not scales:
+        raise argparse.ArgumentTypeError("expected a number above 0, or several comma-separated")
+    if len(set(scales)) != len(scales):
+        raise argparse.ArgumentTypeError(f"a scale is given twice in {text!r}")
+    return tuple(sorted(scales))
+
+
+def base_trace(name: str) -> str:
+    """The trace a replay name is of: `chat` for `chat@0.5x` and for `chat`."""
+    return name.split(RATE_MARK, 1)[0]
+
+
+def load_traces(named: Sequence[tuple[str, Path]], requests: int | None, rate_scale: float | Sequence[float]
                 ) -> dict[str, TrafficWorkload]:
-    """Each trace read (measure/replay.py's load_file), its first `requests`, open loop at its timestamps."""
+    """Each trace read (measure/replay.py's load_file), its first `requests`, open loop at its timestamps times
+    each rate scale: named as given for one scale, `NAME@Xx` for each of several."""
+    scales = (rate_scale,) if isinstance(rate_scale, float | int) else tuple(rate_scale)
     traces = {}
     for name, path in named:
         try:
@@ -280,7 +307,9 @@ def load_traces(named: Sequence[tuple[str, Path]], requests: int | None, rate_sc
             raise SystemExit(f"error: --trace {name}={path}: not every line has a timestamp (an open-loop replay "
                              "needs them)")
         taken = workload.taking(requests) if requests else workload
-        traces[name] = taken.paced(Arrivals.open, rate_scale=rate_scale)
+        for scale in scales:
+            key = name if len(scales) == 1 else f"{name}{RATE_MARK}{scale:g}x"
+            traces[key] = taken.paced(Arrivals.open, rate_scale=scale)
     return traces
 
 
@@ -610,10 +639,62 @@ def summary(bench: Bench, specs: Sequence[TargetSpec], traces: Sequence[str]) ->
     return {t: trace_rows(bench.runs, bench.failures, t, [s.name for s in specs if s.replays(t)]) for t in traces}
 
 
-def markdown(bench: Bench, specs: Sequence[TargetSpec], describes: Mapping[str, str], slo: str) -> str:
-    rows = summary(bench, specs, list(describes))
-    parts = [trace_table(t, describes[t], rows[t], slo) for t in describes]
-    return "\n".join([*parts, servers_table(bench.started, specs)])
+@dataclass(frozen=True)
+class Held:
+    """One target on one trace replayed at several rates: the offered rate of each replay (requests/s) and
+    whether the target met the SLO there in every round; `holds_rps` is the highest rate it met it at, 0.0
+    where it met it at none (None: it ran at no rate)."""
+
+    trace: str
+    target: str
+    rates: tuple[tuple[float, bool, float], ...]  # (offered req/s, SLO met in every round, goodput req/s)
+    holds_rps: float | None
+
+
+def capacity(rows: Mapping[str, Sequence[Row]], traces: Mapping[str, TrafficWorkload]) -> list[Held]:
+    """Per trace replayed at several rates and per target: the rates it was offered and the highest it held."""
+    out = []
+    for base in dict.fromkeys(base_trace(t) for t in traces):
+        names = [t for t in traces if base_trace(t) == base and t != base]
+        if len(names) < 2:
+            continue
+        for target in dict.fromkeys(r.target for t in names for r in rows.get(t, ())):
+            rates = []
+            for t in sorted(names, key=lambda n: traces[n].rate_scale):
+                row = next((r for r in rows.get(t, ()) if r.target == target and r.rounds), None)
+                if row is not None:
+                    offered = (traces[t].rate_per_s or 0.0) * traces[t].rate_scale
+                    rates.append((offered, row.met == row.rounds, row.goodput_rps))
+            held = [rate for rate, met, _ in rates if met]
+            out.append(Held(base, target, tuple(rates), max(held) if held else (0.0 if rates else None)))
+    return out
+
+
+def capacity_table(helds: Sequence[Held]) -> str:
+    """The table of what each target holds within the SLO; empty without a trace replayed at several rates."""
+    if not helds:
+        return ""
+    lines = ["### Requests a second each target holds within the SLO", "",
+             f"The highest offered rate at which a target met the SLO in every round, and that rate against "
+             f"`{REFERENCE}`'s; then each rate's goodput (requests/s), marked where the SLO was met.", "",
+             "| trace | target | holds, req/s | vs defaults | goodput at each offered rate |",
+             "| --- | --- | ---: | ---: | --- |"]
+    reference = {h.trace: h.holds_rps for h in helds if h.target == REFERENCE}
+    for h in helds:
+        ref = reference.get(h.trace)
+        versus = (f"{h.holds_rps / ref:.2f}" if h.holds_rps is not None and ref else
+                  "above" if h.holds_rps and ref == 0.0 else "n/a")
+        each = ", ".join(f"{good:.3f} at {rate:.2f}{' (met)' if met else ''}" for rate, met, good in h.rates)
+        held = "n/a" if h.holds_rps is None else ("none" if h.holds_rps == 0 else f"{h.holds_rps:.2f}")
+        lines.append(f"| {h.trace} | {h.target} | {held} | {versus} | {each} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(bench: Bench, specs: Sequence[TargetSpec], traces: Mapping[str, TrafficWorkload], slo: str) -> str:
+    rows = summary(bench, specs, list(traces))
+    parts = [trace_table(t, traces[t].describe(), rows[t], slo) for t in traces]
+    held = capacity_table(capacity(rows, traces))
+    return "\n".join([*([held] if held else []), *parts, servers_table(bench.started, specs)])
 
 
 def plot(rows: Mapping[str, Sequence[Row]], path: Path) -> bool:
@@ -666,6 +747,7 @@ def report(args: argparse.Namespace, argv: Sequence[str], traces: Mapping[str, T
         "targets": {s.name: {**s.describe(), "started": bench.started.get(s.name)} for s in args.specs},
         "failures": [asdict(f) for f in bench.failures],
         "summary": {t: [asdict(r) for r in rows] for t, rows in summary(bench, args.specs, list(traces)).items()},
+        "holds": [asdict(h) for h in capacity(summary(bench, args.specs, list(traces)), traces)],
         "warmup": [run_dict(r) for r in bench.warmups], "runs": [run_dict(r) for r in bench.runs],
     }
 
@@ -677,7 +759,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, workload in traces.items():
         say(f"trace {name}: {workload.describe()}")
     bench = asyncio.run(measure_all(args, traces))
-    text = markdown(bench, args.specs, {n: w.describe() for n, w in traces.items()}, str(args.slo))
+    text = markdown(bench, args.specs, traces, str(args.slo))
     print(text, flush=True)
     write_report(args.out, report(args, argv, traces, bench))
     args.out.with_suffix(".md").write_text(text, encoding="utf-8")

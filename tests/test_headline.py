@@ -114,8 +114,38 @@ def test_markdown_names_what_each_target_ran_and_chose() -> None:
     bench.started = {REFERENCE: {"command": "llama-server -m m --port 1",
                                  "choice": {"n_ctx_per_slot": 4096, "slots": 4}}}
     text = headline.markdown(bench, specs, {}, str(SLO))
+    assert "holds within the SLO" not in text
     assert "| defaults | `llama-server -m m --port 1` | 4096 | 4 |" in text
     assert "| ours | `config t.yaml` | n/a | n/a |" in text
+
+
+@pytest.mark.unit
+def test_several_rates_replay_each_trace_at_each_and_say_what_each_target_holds(tmp_path: Path) -> None:
+    """--rate-scale 0.5,1,2: chat@0.5x, chat@1x, chat@2x; a trace's own pick replays its trace at every rate; a
+    target holds the highest rate at which it met the SLO in every round."""
+    parsed = headline.parse_args(args(tmp_path, "--targets", "ours", "--ours", "chat=t.yaml",
+                                      "--rate-scale", "2,0.5,1"))
+    assert parsed.rate_scale == (0.5, 1.0, 2.0)
+    traces = headline.load_traces(parsed.trace, None, parsed.rate_scale)
+    assert list(traces) == ["chat@0.5x", "chat@1x", "chat@2x"]
+    assert [traces[t].rate_scale for t in traces] == [0.5, 1.0, 2.0]
+    assert all(parsed.specs[0].replays(t) for t in traces) and not parsed.specs[0].replays("agent@1x")
+    base = (traces["chat@1x"].rate_per_s or 0.0)
+    # defaults meets the SLO at 0.5x only; ours at 0.5x and 1x (one round of two missed at 2x)
+    met = {REFERENCE: {"chat@0.5x": [0, 0], "chat@1x": [2, 2], "chat@2x": [3, 3]},
+           "ours": {"chat@0.5x": [0, 0], "chat@1x": [0, 0], "chat@2x": [0, 2]}}
+    runs = [Run(r, trace, target, 0, made(5, failed)) for target, per in met.items() for trace, fails in per.items()
+            for r, failed in enumerate(fails)]
+    rows = {t: headline.trace_rows(runs, [], t, [REFERENCE, "ours"]) for t in traces}
+    held = {h.target: h for h in headline.capacity(rows, traces)}
+    assert held[REFERENCE].holds_rps == pytest.approx(0.5 * base)
+    assert held["ours"].holds_rps == pytest.approx(base)
+    assert [met for _, met, _ in held["ours"].rates] == [True, True, False]
+    table = headline.capacity_table(list(held.values()))
+    assert f"| chat | ours | {base:.2f} | 2.00 |" in table
+    assert headline.capacity(rows, {"chat": traces["chat@1x"]}) == [], "one rate: no such table"
+    with pytest.raises(SystemExit):
+        headline.parse_args(args(tmp_path, "--llama-server", "ls", "--rate-scale", "1,1"))
 
 
 @pytest.mark.unit
