@@ -242,8 +242,9 @@ def _parser() -> argparse.ArgumentParser:
     prune = pick.add_mutually_exclusive_group()
     prune.add_argument("--prune-below", type=float, default=d.prune_below,
                        help="measure each trial short first (a quarter of --gen-tokens, one round) and skip its full "
-                            "measurement when it is below this share of the best short figure so far on every "
-                            "objective the pick reads (offline, fixed benchmark; never the baseline); 0: off")
+                            "measurement when it is below this share (e.g. 0.8) of the leader's short figure on every "
+                            "objective the pick reads (offline, fixed benchmark; never the baseline); default 0: off, "
+                            "as it has not paid on CPU (docs/tuning.md)")
     prune.add_argument("--no-prune", dest="prune_below", action="store_const", const=0.0,
                        help="measure every trial in full (--prune-below 0)")
 
@@ -271,7 +272,7 @@ def parse_options(argv: list[str] | None = None) -> SearchOptions:
     if ns.min_stream_tok_s is not None and ns.min_stream_tok_s <= 0:
         p.error("--min-stream-tok-s must be > 0")
     if not 0 <= ns.prune_below < 1:
-        p.error("--prune-below must be in [0, 1): a share of the best short figure (0: off)")
+        p.error("--prune-below must be in [0, 1): a share of the leader's short figure (0: off)")
     if ns.confirm_rounds < 0 or ns.confirm_top < 1:
         p.error("--confirm-rounds must be >= 0 and --confirm-top >= 1")
     slo = _slo(p, ns.slo)

@@ -42,7 +42,7 @@ class TrialSettings:
     max_quality_loss: float
     traffic: TrafficPlan | None = None  # a traffic workload to replay instead of the fixed benchmark
     ram_budget_bytes: int | None = None  # host memory a config may take (with part of the model on the CPU)
-    prune_below: float = 0.0  # > 0: each trial measured short first, pruned below this share of the best (prune.py)
+    prune_below: float = 0.0  # > 0: each trial measured short first, pruned below this share of the leader's (prune.py)
     objective: Objective = Objective.aggregate  # the second objective, which a short measurement reports too
 
 

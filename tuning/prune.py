@@ -24,7 +24,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 BAR_KEY = "short_bar"  # the trial config's key the searcher passes the bar under (not an engine setting)
-DEFAULT_PRUNE_BELOW = 0.8
+# Off unless asked (--prune-below 0.8): on the 2-core CPU it has not paid. With the best short figure as the bar,
+# the studies that pruned most made the worst picks; with the leader's, the studies took 1.14x as long (the short
+# runs cost more than the few prunes saved) for picks 0.98x as good, paired by seed
+# (docs/log/2026-12-07-cpu-prune-ab.md). Whether it pays on a GPU is not measured yet.
+DEFAULT_PRUNE_BELOW = 0.0
 SHORT_GEN_FRACTION = 0.25  # a short measurement generates this share of --gen-tokens, in one round
 SHORT_MIN_TOKENS = 8
 MAX_PRUNED_IN_A_ROW = 3  # then one trial in full: the bar may be what is wrong, not the trials

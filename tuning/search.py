@@ -359,7 +359,8 @@ def pruning_text(plan: StudyPlan) -> str:
     """Whether trials were measured short first, and the bar."""
     below = plan.settings.prune_below
     if below > 0:
-        return f"short first, pruned below {below:g} x the best short figure on every objective the pick reads"
+        return (f"short first, pruned below {below:g} x the leader's short figure on every objective the pick "
+                "reads")
     if plan.options.prune_below > 0:
         return "off (in place and on a traffic workload every trial is measured in full)"
     return "off"
