@@ -454,7 +454,11 @@ def test_what_llama_server_clients_send_and_read(serve_url: str) -> None:
     assert "exceeds the available context size" in err["message"]
     assert err["n_ctx"] == 1024 and err["n_prompt_tokens"] > 1024
     props = httpx.get(f"{serve_url}/props", timeout=30).json()
-    assert isinstance(props["default_generation_settings"]["params"]["seed"], int)
+    params = props["default_generation_settings"]["params"]
+    assert isinstance(params["seed"], int)
+    # what an unsent setting samples as (the embedded GGUF has no general.sampling keys: llama-server's defaults)
+    assert (params["temperature"], params["top_k"], params["top_p"], params["min_p"], params["repeat_last_n"]) \
+        == (0.8, 40, 0.95, 0.05, 64)
 
 
 @pytest.mark.serve

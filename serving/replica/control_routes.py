@@ -161,9 +161,13 @@ class ControlRoutes:
         """llama-server's /props: the generation defaults, slots, model and chat template."""
         engine = self._server.ready_engine()
         config = engine.config
+        unsent = engine.sampler_defaults  # what a request that sends no sampler settings samples as
+        params = SamplingParams(temperature=unsent.temperature, top_p=unsent.top_p, top_k=unsent.top_k,
+                                min_p=unsent.min_p, repeat_penalty=unsent.repeat_penalty,
+                                penalty_last_n=unsent.repeat_last_n)
         return {
-            "default_generation_settings": {"n_ctx": engine.n_ctx_slot,
-                                            "params": {**asdict(SamplingParams()), "seed": config.seed}},
+            "default_generation_settings": {"n_ctx": engine.n_ctx_slot, "params": {
+                **asdict(params), "repeat_last_n": unsent.repeat_last_n, "seed": config.seed}},
             "total_slots": config.n_parallel, "model_path": str(config.model_path), "model_alias": config.served_name,
             "chat_template": engine.chat_template.source, "n_vocab": engine.n_vocab, "n_ctx_train": engine.n_ctx_train,
             "config": config.to_yaml_dict(), "build_info": self._server.build_info,
