@@ -736,18 +736,20 @@ def run_dict(run: Run) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, argv: Sequence[str], traces: Mapping[str, TrafficWorkload], bench: Bench
            ) -> dict[str, Any]:
+    rows = summary(bench, args.specs, list(traces))
+    paths = dict(args.trace)
     return {
         **provenance(), "command": shlex.join(["python", "scripts/bench_headline.py", *argv]),
         "model": str(args.model),
         "llama_server": {"binary": args.llama_server,
                          "version": llama_server_version(args.llama_server) if args.llama_server else None},
         "slo": str(args.slo), "rounds": args.rounds, "rate_scale": args.rate_scale, "vram_budget": args.vram_budget,
-        "traces": {name: {"path": str(path), "describe": traces[name].describe(),
-                          "requests": len(traces[name].requests)} for name, path in args.trace},
+        "traces": {name: {"path": str(paths[base_trace(name)]), "describe": workload.describe(),
+                          "requests": len(workload.requests)} for name, workload in traces.items()},
         "targets": {s.name: {**s.describe(), "started": bench.started.get(s.name)} for s in args.specs},
         "failures": [asdict(f) for f in bench.failures],
-        "summary": {t: [asdict(r) for r in rows] for t, rows in summary(bench, args.specs, list(traces)).items()},
-        "holds": [asdict(h) for h in capacity(summary(bench, args.specs, list(traces)), traces)],
+        "summary": {t: [asdict(r) for r in per_trace] for t, per_trace in rows.items()},
+        "holds": [asdict(h) for h in capacity(rows, traces)],
         "warmup": [run_dict(r) for r in bench.warmups], "runs": [run_dict(r) for r in bench.runs],
     }
 

@@ -144,6 +144,10 @@ def test_several_rates_replay_each_trace_at_each_and_say_what_each_target_holds(
     table = headline.capacity_table(list(held.values()))
     assert f"| chat | ours | {base:.2f} | 2.00 |" in table
     assert headline.capacity(rows, {"chat": traces["chat@1x"]}) == [], "one rate: no such table"
+    bench = Bench(traces, SLO, 0, filler="x")
+    bench.runs = runs
+    saved = headline.report(parsed, [], traces, bench)  # the JSON report names every rate's replay
+    assert list(saved["traces"]) == list(traces) and saved["holds"][0]["trace"] == "chat"
     with pytest.raises(SystemExit):
         headline.parse_args(args(tmp_path, "--llama-server", "ls", "--rate-scale", "1,1"))
 
